@@ -1,0 +1,1 @@
+"""The draft service: proposes token blocks with a cheap draft model."""

@@ -1,0 +1,166 @@
+"""Replicas of the draft and target services, and one session's stream to each.
+
+A session on a service is one bidirectional stream. The orchestrator tracks
+`synced`, the prefix of its history that the remote KV cache is known to hold;
+every step sends `cache_position=synced` (the service rolls back to it) and the
+history tokens after it. Rebuilding a lost cache is therefore just `synced = 0`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from tandem import sampling
+from tandem.errors import Unavailable
+from tandem.server import CHANNEL_OPTIONS
+from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+
+
+@dataclass
+class Replica:
+    address: str
+    stub: Any
+    active_sessions: int = 0
+
+
+class ReplicaPool:
+    """Static replicas of one service; new sessions go to the least-loaded one and stay there."""
+
+    def __init__(self, addresses: Sequence[str], stub_class: type) -> None:
+        self.replicas = []
+        for address in addresses:
+            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            self.replicas.append(Replica(address=address, stub=stub_class(channel)))
+
+    def acquire(self) -> Replica:
+        if not self.replicas:
+            raise Unavailable("no replica is configured")
+        replica = min(self.replicas, key=lambda r: r.active_sessions)
+        replica.active_sessions += 1
+        return replica
+
+    @staticmethod
+    def release(replica: Replica) -> None:
+        replica.active_sessions -= 1
+
+
+def _sampling_proto(params: sampling.SamplingParams) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(temperature=params.temperature, top_k=params.top_k,
+                                     top_p=params.top_p)
+
+
+@dataclass(frozen=True)
+class DraftBlock:
+    token_ids: tuple[int, ...]
+    distributions: tuple[common_pb2.SparseDistribution, ...]  # forwarded to the target as is
+    draft_probs: tuple[float, ...]  # q_i(x_i)
+    cache_length: int
+    compute_ms: float
+
+
+EMPTY_BLOCK = DraftBlock((), (), (), 0, 0.0)
+
+
+@dataclass
+class RemoteSession:
+    """One stream to one replica. Not safe for concurrent steps (one session, one step at a time)."""
+
+    pool: ReplicaPool
+    session_id: str
+    timeout_s: float | None
+    synced: int = 0
+    wire_bytes: int = 0
+    replica: Replica | None = None
+    _call: Any = field(default=None, repr=False)
+
+    def _open(self, method: str) -> Any:
+        if self._call is None:
+            self.replica = self.pool.acquire()
+            self._call = getattr(self.replica.stub, method)(timeout=self.timeout_s)
+        return self._call
+
+    async def _step(self, method: str, request: Any) -> Any:
+        call = self._open(method)
+        self.wire_bytes += request.ByteSize()
+        await call.write(request)
+        response = await call.read()
+        if response is grpc.aio.EOF:
+            # The server ended the stream without a status: treat as a lost replica.
+            raise Unavailable(f"{self.replica.address if self.replica else '?'} closed the session")
+        self.wire_bytes += response.ByteSize()
+        return response
+
+    def advance(self, cache_length: int, valid_length: int) -> None:
+        """After a step: the cache holds `cache_length` tokens, of which `valid_length` are history."""
+        self.synced = min(cache_length, valid_length)
+
+    async def close(self) -> None:
+        if self._call is not None:
+            self._call.cancel()
+            self._call = None
+        if self.replica is not None:
+            self.pool.release(self.replica)
+            self.replica = None
+
+
+class DraftSession(RemoteSession):
+    async def propose(self, history: list[int], num_speculative_tokens: int,
+                      params: sampling.SamplingParams, max_support_size: int, seed: int) -> DraftBlock:
+        response = await self._step("ProposeBlocks", draft_pb2.ProposeBlocksRequest(
+            session_id=self.session_id, cache_position=self.synced,
+            new_token_ids=history[self.synced:], num_speculative_tokens=num_speculative_tokens,
+            sampling=_sampling_proto(params), max_support_size=max_support_size, seed=seed))
+        dists = tuple(response.distributions)
+        probs = tuple(d.probs[list(d.token_ids).index(t)] for t, d in zip(response.token_ids, dists))
+        return DraftBlock(tuple(response.token_ids), dists, probs, response.cache_length,
+                          response.compute_ms)
+
+
+@dataclass(frozen=True)
+class TargetScores:
+    scored: sampling.ScoredBlock
+    cache_length: int
+    compute_ms: float
+
+
+class TargetSession(RemoteSession):
+    async def score(self, history: list[int], block: DraftBlock,
+                    params: sampling.SamplingParams, seed: int) -> TargetScores:
+        response = await self._step("ScoreBlocks", target_pb2.ScoreBlocksRequest(
+            session_id=self.session_id, cache_position=self.synced,
+            new_token_ids=history[self.synced:], draft_token_ids=block.token_ids,
+            draft_distributions=block.distributions, sampling=_sampling_proto(params), seed=seed))
+        scored = sampling.ScoredBlock(tuple(response.target_probs),
+                                      tuple(response.recovered_token_ids), response.bonus_token_id)
+        return TargetScores(scored, response.cache_length, response.compute_ms)
+
+
+async def fetch_model_info(address: str, stub_class: type, wait_s: float) -> common_pb2.ModelInfo:
+    """Wait until the replica's model is loaded (health SERVING), then describe it."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        deadline = asyncio.get_running_loop().time() + wait_s
+        while True:
+            try:
+                reply = await health.Check(health_pb2.HealthCheckRequest(), timeout=5)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    break
+            except grpc.aio.AioRpcError:
+                pass
+            if asyncio.get_running_loop().time() > deadline:
+                raise Unavailable(f"replica {address} did not become SERVING within {wait_s:.0f}s")
+            await asyncio.sleep(0.5)
+        response = await stub_class(channel).GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=30)
+        info: common_pb2.ModelInfo = response.info
+        return info
+
+
+DRAFT_STUB = draft_pb2_grpc.DraftServiceStub
+TARGET_STUB = target_pb2_grpc.TargetServiceStub

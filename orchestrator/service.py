@@ -1,0 +1,220 @@
+"""OrchestratorService: the public API. Validates a request, runs the speculation loop, streams text."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from orchestrator.remote import (
+    DRAFT_STUB, TARGET_STUB, DraftSession, ReplicaPool, TargetSession, fetch_model_info,
+)
+from orchestrator.speculation import Generation, Usage, speculate
+from orchestrator.text import TextStream
+from tandem import models
+from tandem.config import option
+from tandem.errors import InvalidRequest, Unavailable
+from tandem.model_service import sampling_from
+from tandem.server import handle_errors
+from tandem.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+
+
+@dataclass(frozen=True)
+class OrchestratorConfig:
+    """Configuration of the orchestrator."""
+
+    draft: str = option("", "draft replica addresses, comma-separated (empty: no draft)")
+    target: str = option("", "target replica addresses, comma-separated")
+    tokenizer: str = option(models.DEFAULT_TARGET, "tokenizer: path, hub id or built-in name "
+                            "(must match the replicas' tokenizer)")
+    host: str = option("127.0.0.1", "address to bind")
+    port: int = option(50051, "port to bind (0 picks a free one)")
+    num_speculative_tokens: int = option(4, "default draft block length k (0: plain target decoding)")
+    max_speculative_tokens: int = option(16, "largest k a request may ask for")
+    max_support_size: int = option(8, "K: support of each draft distribution sent over the wire")
+    max_new_tokens_cap: int = option(4096, "largest max_new_tokens a request may ask for")
+    default_max_new_tokens: int = option(256, "max_new_tokens when a request leaves it unset")
+    replica_wait_s: float = option(600.0, "how long start-up waits for replicas to be SERVING")
+    grace_s: float = option(30.0, "seconds to drain in-flight streams on SIGTERM")
+    log_level: str = option("INFO", "logging level")
+
+
+def _addresses(spec: str) -> list[str]:
+    return [a.strip() for a in spec.split(",") if a.strip()]
+
+
+class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
+    name = "tandem.v1.OrchestratorService"
+
+    def __init__(self, config: OrchestratorConfig) -> None:
+        if not _addresses(config.target):
+            raise ValueError("--target needs at least one target replica address")
+        self.config = config
+        self.tokenizer: Any = None
+        self.target_info: common_pb2.ModelInfo | None = None
+        self.drafts: ReplicaPool | None = None
+        self.targets: ReplicaPool | None = None
+
+    def add_to(self, server: grpc.aio.Server) -> None:
+        orchestrator_pb2_grpc.add_OrchestratorServiceServicer_to_server(self, server)
+
+    def load(self) -> None:
+        asyncio.run(self._check_replicas())
+        self.tokenizer = models.load_tokenizer(self.config.tokenizer)
+        fingerprint = models.tokenizer_fingerprint(self.tokenizer)
+        assert self.target_info is not None
+        if fingerprint != self.target_info.tokenizer_fingerprint:
+            raise SystemExit(
+                f"tokenizer {self.config.tokenizer!r} does not match the target "
+                f"{self.target_info.model!r}; pass --tokenizer with the target's tokenizer")
+
+    async def _check_replicas(self) -> None:
+        """Wait for every replica, and refuse a draft/target pair that do not share a tokenizer."""
+        wait = self.config.replica_wait_s
+        targets = await asyncio.gather(*(fetch_model_info(a, TARGET_STUB, wait)
+                                         for a in _addresses(self.config.target)))
+        drafts = await asyncio.gather(*(fetch_model_info(a, DRAFT_STUB, wait)
+                                        for a in _addresses(self.config.draft)))
+        reference = targets[0]
+        for info in (*targets, *drafts):
+            if info.tokenizer_fingerprint != reference.tokenizer_fingerprint:
+                raise SystemExit(
+                    f"model {info.model!r} does not share a tokenizer with target "
+                    f"{reference.model!r}: their token ids mean different things, so its drafts "
+                    "cannot be verified. Use a draft from the target's model family.")
+            if info.vocab_size > reference.vocab_size:
+                raise SystemExit(
+                    f"model {info.model!r} has {info.vocab_size} output rows but target "
+                    f"{reference.model!r} has {reference.vocab_size}; a draft could propose ids "
+                    "the target cannot score")
+        self.target_info = reference
+
+    def _pools(self) -> tuple[ReplicaPool | None, ReplicaPool]:
+        # Channels bind to the serving event loop, so they are made on first use, not in load().
+        if self.targets is None:
+            self.targets = ReplicaPool(_addresses(self.config.target), TARGET_STUB)
+            drafts = _addresses(self.config.draft)
+            self.drafts = ReplicaPool(drafts, DRAFT_STUB) if drafts else None
+        return self.drafts, self.targets
+
+    def _validate(self, request: Any) -> tuple[Generation, tuple[str, ...]]:
+        if self.tokenizer is None or self.target_info is None:
+            raise Unavailable("the orchestrator is still connecting to its replicas")
+        cfg, info = self.config, self.target_info
+        if request.prompt and request.prompt_token_ids:
+            raise InvalidRequest("set exactly one of prompt and prompt_token_ids, not both")
+        if request.prompt_token_ids:
+            prompt = list(request.prompt_token_ids)
+            bad = [t for t in prompt if not 0 <= t < info.vocab_size]
+            if bad:
+                raise InvalidRequest(f"prompt_token_ids must be in [0, {info.vocab_size}); got {bad[:5]}")
+        elif request.prompt:
+            prompt = self.tokenizer.encode(request.prompt)
+        else:
+            raise InvalidRequest("prompt is empty: set prompt (text) or prompt_token_ids")
+        max_new = request.max_new_tokens or cfg.default_max_new_tokens
+        if not 1 <= max_new <= cfg.max_new_tokens_cap:
+            raise InvalidRequest(f"max_new_tokens must be in [1, {cfg.max_new_tokens_cap}], got {max_new}")
+        if info.max_context_tokens and len(prompt) + max_new > info.max_context_tokens:
+            raise InvalidRequest(
+                f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new}) exceeds the target's "
+                f"context of {info.max_context_tokens} tokens; shorten the prompt or max_new_tokens")
+        params = sampling_from(request.sampling)
+        k = request.num_speculative_tokens if request.HasField("num_speculative_tokens") \
+            else cfg.num_speculative_tokens
+        if not 0 <= k <= cfg.max_speculative_tokens:
+            raise InvalidRequest(
+                f"num_speculative_tokens must be in [0, {cfg.max_speculative_tokens}], got {k}")
+        stops = tuple(request.stop_strings)
+        if len(stops) > MAX_STOP_STRINGS or any(not 0 < len(s) <= MAX_STOP_STRING_CHARS for s in stops):
+            raise InvalidRequest(
+                f"stop_strings: at most {MAX_STOP_STRINGS}, each 1..{MAX_STOP_STRING_CHARS} characters")
+        seed = request.seed if request.HasField("seed") else int.from_bytes(os.urandom(8), "little") >> 2
+        eos = frozenset() if request.ignore_eos else frozenset(info.eos_token_ids)
+        return Generation(tuple(prompt), max_new, params, seed, k, self.config.max_support_size, eos), stops
+
+    async def _run(self, request: Any, context: grpc.aio.ServicerContext
+                   ) -> AsyncIterator[tuple[list[int], str, int, Usage, int]]:
+        """Yield (token_ids, text, finish_reason, usage, wire_bytes) per step; finish_reason 0 until the end."""
+        gen, stops = self._validate(request)
+        drafts, targets = self._pools()
+        remaining = context.time_remaining()
+        timeout = remaining if remaining is not None and math.isfinite(remaining) else None
+        session_id = uuid.uuid4().hex
+        target = TargetSession(targets, session_id, timeout)
+        draft = DraftSession(drafts, session_id, timeout) if drafts and gen.num_speculative_tokens else None
+        text = TextStream(self.tokenizer, stops)
+        usage = Usage()
+        reason = orchestrator_pb2.FINISH_REASON_LENGTH
+        try:
+            async for step in speculate(gen, draft, target, usage):
+                kept = []
+                for token in step.token_ids:
+                    kept.append(token)
+                    text.add(token)
+                    if text.stopped:
+                        break
+                if text.stopped:
+                    usage.completion_tokens -= len(step.token_ids) - len(kept)
+                    reason = orchestrator_pb2.FINISH_REASON_STOP_STRING
+                elif step.finished_by_eos:
+                    reason = orchestrator_pb2.FINISH_REASON_EOS
+                wire = target.wire_bytes + (draft.wire_bytes if draft else 0)
+                yield kept, text.take(), 0, usage, wire
+                if text.stopped:
+                    break
+            wire = target.wire_bytes + (draft.wire_bytes if draft else 0)
+            yield [], text.take(final=True), reason, usage, wire
+        finally:
+            await target.close()
+            if draft is not None:
+                await draft.close()
+
+    @staticmethod
+    def _usage(usage: Usage, wire_bytes: int, started: float) -> orchestrator_pb2.Usage:
+        return orchestrator_pb2.Usage(
+            prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
+            drafted_tokens=usage.drafted_tokens, accepted_tokens=usage.accepted_tokens,
+            target_forward_passes=usage.target_forward_passes, wire_bytes=wire_bytes,
+            draft_ms=usage.draft_ms, target_ms=usage.target_ms,
+            total_ms=(time.perf_counter() - started) * 1000.0)
+
+    @handle_errors
+    async def Generate(  # noqa: N802 - gRPC method name
+        self, request: orchestrator_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[orchestrator_pb2.GenerateResponse]:
+        started = time.perf_counter()
+        async for token_ids, text, reason, usage, wire in self._run(request, context):
+            if token_ids or text:
+                yield orchestrator_pb2.GenerateResponse(
+                    delta=orchestrator_pb2.TokenDelta(token_ids=token_ids, text=text))
+            if reason:
+                yield orchestrator_pb2.GenerateResponse(summary=orchestrator_pb2.GenerationSummary(
+                    finish_reason=reason, usage=self._usage(usage, wire, started)))
+
+    @handle_errors
+    async def GenerateUnary(  # noqa: N802
+        self, request: orchestrator_pb2.GenerateUnaryRequest, context: grpc.aio.ServicerContext
+    ) -> orchestrator_pb2.GenerateUnaryResponse:
+        started = time.perf_counter()
+        reply = orchestrator_pb2.GenerateUnaryResponse()
+        async for token_ids, text, reason, usage, wire in self._run(request, context):
+            reply.token_ids.extend(token_ids)
+            reply.text += text
+            if reason:
+                reply.finish_reason = reason
+                reply.usage.CopyFrom(self._usage(usage, wire, started))
+        return reply

@@ -1,0 +1,95 @@
+"""The speculation loop: draft a block, score it in one target pass, keep the exact prefix.
+
+The orchestrator owns `history` (prompt + committed tokens), the source of truth.
+Service caches follow it through `RemoteSession.synced`: after a step that kept m
+of k drafted tokens, only the first n + m cached tokens are history, so the next
+step rolls both caches back to that (see remote.py). The maths is in tandem.sampling.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import torch
+
+from orchestrator.remote import EMPTY_BLOCK, DraftSession, TargetSession
+from tandem import sampling
+
+
+@dataclass(frozen=True)
+class Generation:
+    """A validated generation request."""
+
+    prompt_token_ids: tuple[int, ...]
+    max_new_tokens: int
+    sampling: sampling.SamplingParams
+    seed: int
+    num_speculative_tokens: int  # k; 0 means plain target decoding
+    max_support_size: int  # K: support of each draft distribution on the wire
+    eos_token_ids: frozenset[int]  # empty when the request ignores EOS
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    target_forward_passes: int = 0
+    draft_ms: float = 0.0
+    target_ms: float = 0.0
+
+
+@dataclass(frozen=True)
+class Step:
+    token_ids: list[int]  # committed this step
+    finished_by_eos: bool
+
+
+async def speculate(gen: Generation, draft: DraftSession | None, target: TargetSession,
+                    usage: Usage) -> AsyncIterator[Step]:
+    """Yield the tokens committed by each step until max_new_tokens or EOS."""
+    history = list(gen.prompt_token_ids)
+    rng = torch.Generator().manual_seed(gen.seed)
+    usage.prompt_tokens = len(history)
+    while usage.completion_tokens < gen.max_new_tokens:
+        remaining = gen.max_new_tokens - usage.completion_tokens
+        draft_seed, target_seed = torch.randint(0, 2**62, (2,), generator=rng).tolist()
+        # Drafting past what can still be committed is wasted work.
+        k = 0 if draft is None else min(gen.num_speculative_tokens, remaining - 1)
+        if draft is None or k == 0:
+            block = EMPTY_BLOCK
+            scores = await target.score(history, block, gen.sampling, target_seed)
+        elif draft.synced == 0:
+            # Prefill both caches at once; the target alone yields the first token (TTFT).
+            block, scores = await asyncio.gather(
+                draft.propose(history, 0, gen.sampling, gen.max_support_size, draft_seed),
+                target.score(history, EMPTY_BLOCK, gen.sampling, target_seed))
+        else:
+            block = await draft.propose(history, k, gen.sampling, gen.max_support_size, draft_seed)
+            scores = await target.score(history, block, gen.sampling, target_seed)
+
+        uniforms = torch.rand(len(block.token_ids), generator=rng, dtype=torch.float64).tolist()
+        accepted = sampling.num_accepted(scores.scored.target_probs, block.draft_probs, uniforms)
+        new = sampling.commit(block.token_ids, scores.scored, accepted)
+
+        # Of what each cache now holds, only the prefix that became history stays valid.
+        if block is not EMPTY_BLOCK:
+            assert draft is not None
+            draft.advance(block.cache_length, len(history) + accepted)
+        target.advance(scores.cache_length, len(history) + accepted)
+
+        eos_at = next((i for i, t in enumerate(new) if t in gen.eos_token_ids), None)
+        new = new[: remaining if eos_at is None else min(eos_at + 1, remaining)]
+        history += new
+        usage.completion_tokens += len(new)
+        usage.drafted_tokens += len(block.token_ids)
+        usage.accepted_tokens += accepted
+        usage.target_forward_passes += 1
+        usage.draft_ms += block.compute_ms
+        usage.target_ms += scores.compute_ms
+        yield Step(new, finished_by_eos=eos_at is not None and eos_at < len(new))
+        if eos_at is not None and eos_at < len(new):
+            return

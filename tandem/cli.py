@@ -1,0 +1,199 @@
+"""The `tandem` command: run services, start a local stack, generate text, benchmark."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Sequence
+
+from tandem import config, models
+
+
+def _serve_model(args: argparse.Namespace, label: str) -> None:
+    from tandem.model_service import ModelHost, ModelServiceConfig
+    from tandem.server import configure_logging, serve
+
+    cfg = config.from_args(ModelServiceConfig, args)
+    if not cfg.model:
+        sys.exit(f"{label}: --model is required (a path, a hub id, or one of {sorted(models.BUILTIN_MODELS)})")
+    configure_logging(cfg.log_level)
+    host = ModelHost(cfg)
+    if label == "draft-service":
+        from draft_service.service import DraftService
+        service: object = DraftService(host)
+    else:
+        from target_service.service import TargetService
+        service = TargetService(host)
+    asyncio.run(serve([service], label, cfg.host, cfg.port, cfg.grace_s))  # type: ignore[list-item]
+
+
+def _serve_orchestrator(args: argparse.Namespace) -> None:
+    from orchestrator.service import OrchestratorConfig, OrchestratorService
+    from tandem.server import configure_logging, serve
+
+    cfg = config.from_args(OrchestratorConfig, args)
+    configure_logging(cfg.log_level)
+    try:
+        service = OrchestratorService(cfg)
+    except ValueError as exc:
+        sys.exit(f"orchestrator: {exc}")
+    asyncio.run(serve([service], "orchestrator", cfg.host, cfg.port, cfg.grace_s))
+
+
+def _spawn(argv: list[str]) -> tuple[subprocess.Popen[str], str]:
+    """Start `tandem <argv>` and return it with the address from its 'listening on' line."""
+    proc = subprocess.Popen([sys.executable, "-m", "tandem.cli", *argv], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if " listening on " in line:
+            return proc, line.rsplit(" ", 1)[1].strip()
+    raise SystemExit(f"tandem {argv[0]} exited before listening (code {proc.wait()})")
+
+
+def _wait_line(proc: subprocess.Popen[str], needle: str) -> None:
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if needle in line:
+            return
+    raise SystemExit(f"a service exited while starting (code {proc.wait()}); see the log above")
+
+
+def _up(args: argparse.Namespace) -> None:
+    # Prepare built-in models here, once, with a progress bar, before the services load them.
+    for ref in (args.draft, args.target):
+        models.resolve(ref)
+    common = ["--host", "127.0.0.1", "--port", "0"]
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        draft, draft_addr = _spawn(["draft-service", "--model", args.draft, "--dtype", args.draft_dtype, *common])
+        procs.append(draft)
+        target, target_addr = _spawn(["target-service", "--model", args.target, "--dtype",
+                                      args.target_dtype, *common])
+        procs.append(target)
+        orch, orch_addr = _spawn(["orchestrator", "--draft", draft_addr, "--target", target_addr,
+                                  "--tokenizer", args.target, "--host", args.host, "--port", str(args.port)])
+        procs.append(orch)
+        print(f"starting: draft {args.draft} on {draft_addr}, target {args.target} on {target_addr}; "
+              "loading models...", flush=True)
+        _wait_line(orch, " serving on ")
+        print(f"Tandem is ready: orchestrator listening on {orch_addr}\n"
+              f"  try: tandem generate --address {orch_addr} \"def fibonacci(n):\"", flush=True)
+        # Keep draining the children's stdout so they never block on a full pipe.
+        for proc in procs:
+            threading.Thread(target=lambda p=proc: [None for _ in p.stdout or []], daemon=True).start()
+        signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+        while all(p.poll() is None for p in procs):
+            threading.Event().wait(1.0)
+        print("a service exited; stopping the others", file=sys.stderr)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(timeout=60)
+
+
+def _generate(args: argparse.Namespace) -> None:
+    from tandem.client import TandemClient
+    from tandem.v1 import orchestrator_pb2
+
+    with TandemClient(args.address) as client:
+        stream = client.generate_stream(
+            args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+            top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+            num_speculative_tokens=args.num_speculative_tokens, stop=args.stop or None,
+            ignore_eos=args.ignore_eos)
+        text, token_ids, summary = [], [], None
+        for message in stream:
+            if message.HasField("delta"):
+                token_ids.extend(message.delta.token_ids)
+                text.append(message.delta.text)
+                if not args.json:
+                    print(message.delta.text, end="", flush=True)
+            else:
+                summary = message.summary
+    assert summary is not None
+    usage = summary.usage
+    if args.json:
+        print(json.dumps({
+            "text": "".join(text), "token_ids": token_ids,
+            "finish_reason": orchestrator_pb2.FinishReason.Name(summary.finish_reason),
+            "usage": {
+                "prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+                "drafted_tokens": usage.drafted_tokens, "accepted_tokens": usage.accepted_tokens,
+                "target_forward_passes": usage.target_forward_passes, "wire_bytes": usage.wire_bytes,
+                "draft_ms": round(usage.draft_ms, 3), "target_ms": round(usage.target_ms, 3),
+                "total_ms": round(usage.total_ms, 3),
+            },
+        }))
+    else:
+        rate = usage.accepted_tokens / usage.drafted_tokens if usage.drafted_tokens else 0.0
+        print(f"\n[{usage.completion_tokens} tokens, {usage.target_forward_passes} target passes, "
+              f"acceptance {rate:.0%}, {usage.total_ms / 1000:.1f}s]", file=sys.stderr)
+
+
+def _prepare(args: argparse.Namespace) -> None:
+    for ref in args.models or sorted(models.BUILTIN_MODELS):
+        print(models.resolve(ref))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from orchestrator.service import OrchestratorConfig
+    from tandem.model_service import ModelServiceConfig
+
+    parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="start draft, target and orchestrator as local processes")
+    up.add_argument("--draft", default=models.DEFAULT_DRAFT, help="draft model (path, hub id or built-in)")
+    up.add_argument("--target", default=models.DEFAULT_TARGET, help="target model")
+    up.add_argument("--draft-dtype", default="float32")
+    up.add_argument("--target-dtype", default="float32")
+    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--port", type=int, default=int(os.environ.get("TANDEM_PORT", 50051)))
+    up.set_defaults(func=_up)
+
+    for label in ("draft-service", "target-service"):
+        p = sub.add_parser(label, help=f"run one {label}")
+        config.add_arguments(p, ModelServiceConfig)
+        p.set_defaults(func=lambda a, label=label: _serve_model(a, label))
+
+    orch = sub.add_parser("orchestrator", help="run the orchestrator (public API)")
+    config.add_arguments(orch, OrchestratorConfig)
+    orch.set_defaults(func=_serve_orchestrator)
+
+    gen = sub.add_parser("generate", help="stream text from a running orchestrator")
+    gen.add_argument("prompt")
+    gen.add_argument("--address", default=os.environ.get("TANDEM_ADDRESS", "127.0.0.1:50051"))
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--num-speculative-tokens", type=int, default=None,
+                     help="draft block length k; 0 is plain target decoding (default: the server's)")
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    gen.set_defaults(func=_generate)
+
+    prep = sub.add_parser("prepare-models", help="assemble and convert the built-in models now")
+    prep.add_argument("models", nargs="*")
+    prep.set_defaults(func=_prepare)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""A small synchronous Python client for the orchestrator's public API."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+
+from tandem.server import CHANNEL_OPTIONS
+from tandem.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
+
+
+class TandemClient:
+    """Talks to an orchestrator. Use as a context manager, or call close()."""
+
+    def __init__(self, address: str = "127.0.0.1:50051") -> None:
+        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = orchestrator_pb2_grpc.OrchestratorServiceStub(self._channel)
+
+    def __enter__(self) -> TandemClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    @staticmethod
+    def _fields(prompt: str | list[int], max_new_tokens: int, temperature: float, top_p: float,
+                top_k: int, seed: int | None, num_speculative_tokens: int | None,
+                stop: list[str] | None, ignore_eos: bool) -> dict[str, Any]:
+        fields: dict[str, Any] = {
+            "max_new_tokens": max_new_tokens,
+            "sampling": common_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k),
+            "stop_strings": stop or [],
+            "ignore_eos": ignore_eos,
+        }
+        if isinstance(prompt, str):
+            fields["prompt"] = prompt
+        else:
+            fields["prompt_token_ids"] = prompt
+        if seed is not None:
+            fields["seed"] = seed
+        if num_speculative_tokens is not None:
+            fields["num_speculative_tokens"] = num_speculative_tokens
+        return fields
+
+    def generate_stream(self, prompt: str | list[int], *, max_new_tokens: int = 256,
+                        temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+                        seed: int | None = None, num_speculative_tokens: int | None = None,
+                        stop: list[str] | None = None, ignore_eos: bool = False,
+                        timeout: float | None = None) -> Iterator[orchestrator_pb2.GenerateResponse]:
+        """Stream deltas, then one summary message."""
+        request = orchestrator_pb2.GenerateRequest(**self._fields(
+            prompt, max_new_tokens, temperature, top_p, top_k, seed, num_speculative_tokens, stop,
+            ignore_eos))
+        yield from self._stub.Generate(request, timeout=timeout)
+
+    def generate(self, prompt: str | list[int], *, max_new_tokens: int = 256,
+                 temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+                 seed: int | None = None, num_speculative_tokens: int | None = None,
+                 stop: list[str] | None = None, ignore_eos: bool = False,
+                 timeout: float | None = None) -> orchestrator_pb2.GenerateUnaryResponse:
+        """The whole generation in one reply."""
+        request = orchestrator_pb2.GenerateUnaryRequest(**self._fields(
+            prompt, max_new_tokens, temperature, top_p, top_k, seed, num_speculative_tokens, stop,
+            ignore_eos))
+        reply: orchestrator_pb2.GenerateUnaryResponse = self._stub.GenerateUnary(request, timeout=timeout)
+        return reply

@@ -1,0 +1,35 @@
+"""Domain exceptions. The server bootstrap is the one place that maps them to gRPC codes."""
+
+from __future__ import annotations
+
+import grpc
+
+
+class TandemError(Exception):
+    """Base class; `code` is the gRPC status a caller sees."""
+
+    code = grpc.StatusCode.INTERNAL
+
+
+class InvalidRequest(TandemError, ValueError):
+    """The request is malformed; the message names the field and its allowed range."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class CacheMismatch(TandemError):
+    """A step assumed more cached tokens than the session holds (e.g. it was evicted)."""
+
+    code = grpc.StatusCode.OUT_OF_RANGE
+
+
+class ResourceExhausted(TandemError):
+    """A configured limit was hit; the message names the limit."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class Unavailable(TandemError):
+    """The service cannot serve now (still loading, draining, or no replica left)."""
+
+    code = grpc.StatusCode.UNAVAILABLE

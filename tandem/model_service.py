@@ -1,0 +1,133 @@
+"""What the draft and target services share: hosting one model and its sessions.
+
+A `ModelHost` loads the model with its placement, describes it, runs forward passes
+one at a time on a worker thread (the asyncio loop stays free for I/O; a batching
+scheduler can replace the single worker later without touching the services), and
+turns a bidirectional stream into a session whose KV cache is freed when the stream
+ends, however it ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+
+from tandem import models
+from tandem.config import option
+from tandem.errors import InvalidRequest, Unavailable
+from tandem.kv import KVSession, SessionTable
+from tandem.sampling import SamplingParams, validate
+from tandem.v1 import common_pb2
+
+log = logging.getLogger(__name__)
+R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class ModelServiceConfig:
+    """Configuration of a draft or target service."""
+
+    model: str = option("", "model: local path, hub id, or a built-in name")
+    host: str = option("127.0.0.1", "address to bind")
+    port: int = option(0, "port to bind (0 picks a free one)")
+    device: str = option("cpu", "cpu, cuda, cuda:N, or an accelerate device map: auto, balanced, "
+                         "sequential, or a JSON {module: device} map")
+    dtype: str = option("float32", "float32, bfloat16 or float16")
+    max_memory: str = option("", "accelerate max_memory for device maps, e.g. 0=70GiB,1=70GiB")
+    threads: int = option(0, "torch intra-op threads (0: torch's default)")
+    max_sessions: int = option(256, "most concurrent sessions (streams) on this replica")
+    grace_s: float = option(30.0, "seconds to drain in-flight streams on SIGTERM")
+    log_level: str = option("INFO", "logging level")
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step's cache bookkeeping, common to draft and target requests."""
+
+    cache_position: int
+    new_token_ids: list[int]
+
+
+class ModelHost:
+    def __init__(self, config: ModelServiceConfig) -> None:
+        self.config = config
+        self.model: torch.nn.Module | None = None
+        self.info: common_pb2.ModelInfo | None = None
+        self.sessions = SessionTable(config.max_sessions)
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
+
+    def load(self) -> None:
+        if self.config.threads > 0:
+            torch.set_num_threads(self.config.threads)
+        placement = models.Placement(self.config.device, self.config.dtype, self.config.max_memory)
+        started = time.perf_counter()
+        model = models.load_model(self.config.model, placement)
+        tokenizer = models.load_tokenizer(self.config.model)
+        self.info = common_pb2.ModelInfo(
+            model=self.config.model,
+            vocab_size=int(model.get_output_embeddings().weight.shape[0]),
+            tokenizer_fingerprint=models.tokenizer_fingerprint(tokenizer),
+            max_context_tokens=models.max_context_tokens(model),
+            eos_token_ids=models.eos_token_ids(model, tokenizer),
+            dtype=self.config.dtype,
+            device=str(getattr(model, "hf_device_map", None) or self.config.device),
+        )
+        self.model = model
+        log.info("loaded %s on %s (%s) in %.1fs, %d threads", self.config.model,
+                 self.info.device, self.config.dtype, time.perf_counter() - started,
+                 torch.get_num_threads())
+
+    def ready_model(self) -> torch.nn.Module:
+        if self.model is None:
+            raise Unavailable("the model is still loading; wait for health SERVING")
+        return self.model
+
+    async def run(self, fn: Callable[..., R], *args: Any) -> R:
+        """Run fn(*args) on the forward worker."""
+        return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
+
+    async def session_stream(self, requests: AsyncIterator[Any]) -> AsyncIterator[tuple[KVSession, Any]]:
+        """Yield (session, request) for each message of a stream; the session dies with the stream."""
+        self.ready_model()
+        handle: int | None = None
+        try:
+            async for request in requests:
+                if handle is None:
+                    assert self.info is not None
+                    handle, session = self.sessions.open(request.session_id, self.info.vocab_size)
+                yield session, request
+        finally:
+            if handle is not None:
+                self.sessions.close(handle)
+
+
+def step_from(request: Any, session: KVSession) -> Step:
+    """Validate the cache fields every step carries."""
+    new = list(request.new_token_ids)
+    if not new:
+        raise InvalidRequest("new_token_ids must hold at least one token (the last committed one)")
+    session.check_tokens("new_token_ids", new)
+    return Step(cache_position=request.cache_position, new_token_ids=new)
+
+
+def sampling_from(proto: common_pb2.SamplingParams) -> SamplingParams:
+    params = SamplingParams(temperature=proto.temperature, top_k=proto.top_k,
+                            top_p=proto.top_p if proto.top_p != 0 else 1.0)
+    try:
+        validate(params)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from exc
+    return params
+
+
+def timed(fn: Callable[[], R]) -> tuple[R, float]:
+    started = time.perf_counter()
+    result = fn()
+    return result, (time.perf_counter() - started) * 1000.0

@@ -1,0 +1,164 @@
+"""Sampling and exact speculative verification: the only copy of this maths in Tandem.
+
+Speculative sampling (Leviathan et al. 2023, arXiv 2211.17192; Chen et al. 2023,
+arXiv 2302.01318). The draft proposes x_1..x_k, each x_i ~ q_i. The target gives
+p_1..p_{k+1} in one forward pass. Then, in order:
+
+    keep x_i with probability min(1, p_i(x_i) / q_i(x_i));
+    at the first rejection, emit a *recovered* token ~ norm(max(0, p_i - q_i)) and stop;
+    if all k are kept, emit a *bonus* token ~ p_{k+1}.
+
+The emitted tokens are distributed exactly as the target alone would sample them.
+p and q must be the distributions *after* the request's own temperature, top-k and
+top-p (see FIELD_NOTES: vLLM #10198, HF #47932), both in float32.
+
+The work is split across processes without changing the maths: the target service
+draws the recovered token for every position and the bonus token up front
+(`score_block`), and the orchestrator decides how many drafted tokens to keep with
+its own uniforms (`num_accepted`). A recovered token drawn for a position that is
+not the first rejection is simply unused, so the joint law is unchanged.
+
+Greedy decoding (temperature 0) is the same rule with one-hot p and q: a drafted
+token is kept iff it is the target's argmax, and the recovered token is the argmax.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+# Draws are made on the CPU in float32 whatever the model's device and dtype, so a
+# seed means the same thing on every replica.
+_F32 = torch.float32
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """The request's sampling parameters. temperature 0 means greedy."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class SparseDistribution:
+    """A distribution that is exactly zero outside `token_ids` (probs sum to 1)."""
+
+    token_ids: tuple[int, ...]
+    probs: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class ScoredBlock:
+    """What the target contributes to one verification step."""
+
+    target_probs: tuple[float, ...]  # p_i(x_i) for each drafted token
+    recovered_token_ids: tuple[int, ...]  # one per drafted position
+    bonus_token_id: int
+
+
+def validate(params: SamplingParams) -> None:
+    """Raise ValueError naming the field and its allowed range."""
+    if not math.isfinite(params.temperature) or params.temperature < 0:
+        raise ValueError(f"sampling.temperature must be finite and >= 0, got {params.temperature}")
+    if params.top_k < 0:
+        raise ValueError(f"sampling.top_k must be >= 0 (0 disables it), got {params.top_k}")
+    if not (0.0 < params.top_p <= 1.0) or math.isnan(params.top_p):
+        raise ValueError(f"sampling.top_p must be in (0, 1], got {params.top_p}")
+
+
+def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a request samples from: logits [n, vocab] -> probs [n, vocab], float32."""
+    logits = logits.to(_F32)
+    if params.greedy:
+        # NOTE: ties go to the lowest id, as torch.argmax and HF greedy search do.
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(_F32)
+    logits = logits / params.temperature
+    if 0 < params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, -math.inf)
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        # Drop a token when the mass before it already reaches top_p; the first always stays.
+        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        sorted_probs = sorted_probs.masked_fill(mass_before >= params.top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def truncate(probs: torch.Tensor, max_support_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keep the `max_support_size` most likely tokens of probs [vocab] and renormalise.
+
+    Returns (token_ids [K], probs [K]). Sampling from this is what makes a sparse q exact.
+    """
+    k = min(max_support_size, int((probs > 0).sum()))
+    top = torch.topk(probs, k)
+    return top.indices, top.values / top.values.sum()
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One draw per row of probs [n, vocab] -> [n]."""
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def dense(dist: SparseDistribution, vocab_size: int) -> torch.Tensor:
+    """The sparse q as a dense row [vocab]."""
+    row = torch.zeros(vocab_size, dtype=_F32)
+    row[list(dist.token_ids)] = torch.tensor(dist.probs, dtype=_F32)
+    return row
+
+
+def score_block(
+    target_probs: torch.Tensor,  # [k+1, vocab], from probabilities()
+    draft_token_ids: list[int],  # [k]
+    draft_distributions: list[SparseDistribution],  # [k]
+    generator: torch.Generator,
+) -> ScoredBlock:
+    """The target's half of verification: p_i(x_i), the recovered tokens and the bonus token."""
+    k = len(draft_token_ids)
+    vocab = target_probs.shape[-1]
+    draft = torch.stack([dense(d, vocab) for d in draft_distributions]) if k else target_probs[:0]
+    # Recovered distribution norm(max(0, p - q)). Where it is all zero (p == q), a rejection
+    # has probability 0, so any token will do; p keeps the draw well defined.
+    residual = (target_probs[:k] - draft).clamp_min(0.0)
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, target_probs[:k])
+    draws = sample(torch.cat([residual, target_probs[k:]]), generator)
+    ids = torch.tensor(draft_token_ids, dtype=torch.long)
+    return ScoredBlock(
+        target_probs=tuple(target_probs[torch.arange(k), ids].tolist()),
+        recovered_token_ids=tuple(draws[:k].tolist()),
+        bonus_token_id=int(draws[k]),
+    )
+
+
+def num_accepted(
+    target_probs: list[float] | tuple[float, ...],  # p_i(x_i), [k]
+    draft_probs: list[float] | tuple[float, ...],  # q_i(x_i), [k]
+    uniforms: list[float],  # u_i ~ U[0, 1), [k]
+) -> int:
+    """The orchestrator's half: how many drafted tokens to keep.
+
+    x_i is kept iff u_i < p_i(x_i) / q_i(x_i), written u_i * q_i < p_i to avoid the division.
+    """
+    for i, (p, q, u) in enumerate(zip(target_probs, draft_probs, uniforms, strict=True)):
+        if not u * q < p:
+            return i
+    return len(target_probs)
+
+
+def commit(
+    draft_token_ids: list[int] | tuple[int, ...], scored: ScoredBlock, accepted: int
+) -> list[int]:
+    """The tokens one step commits: the accepted prefix, then a recovered or bonus token."""
+    if accepted < len(draft_token_ids):
+        return [*draft_token_ids[:accepted], scored.recovered_token_ids[accepted]]
+    return [*draft_token_ids, scored.bonus_token_id]

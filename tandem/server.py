@@ -1,0 +1,147 @@
+"""One bootstrap for every Tandem gRPC server.
+
+`start_server` builds a `grpc.aio` server with health (NOT_SERVING until the service
+has loaded), reflection, and the services' handlers, and binds it (port 0 picks a
+free port, for tests). `serve` runs it: it loads the model off the event loop,
+flips health to SERVING, and on SIGTERM/SIGINT turns NOT_SERVING, refuses new work
+and drains in-flight streams within the grace period.
+
+`handle_errors` is the one place that turns domain exceptions into gRPC statuses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import logging
+import signal
+import sys
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from tandem.errors import TandemError
+
+log = logging.getLogger(__name__)
+
+# Generous message limits: prompts can be long; one place to change them.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+class Service(Protocol):
+    """What the bootstrap needs from a service."""
+
+    #: Fully qualified proto service name, e.g. "tandem.v1.DraftService".
+    name: str
+
+    def add_to(self, server: grpc.aio.Server) -> None:
+        """Register the gRPC handlers."""
+
+    def load(self) -> None:
+        """Blocking start-up work (loading weights). Runs in a worker thread."""
+
+
+@dataclass
+class RunningServer:
+    server: grpc.aio.Server
+    port: int
+    health: Any  # grpc_health.v1.health.aio.HealthServicer
+    names: tuple[str, ...]
+
+    async def set_serving(self, serving: bool) -> None:
+        status = (health_pb2.HealthCheckResponse.SERVING if serving
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for name in ("", *self.names):
+            await self.health.set(name, status)
+
+
+async def start_server(services: list[Service], host: str = "127.0.0.1", port: int = 0) -> RunningServer:
+    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = tuple(s.name for s in services)
+    for service in services:
+        service.add_to(server)
+    reflection.enable_server_reflection(
+        (*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+         reflection.SERVICE_NAME), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind {host}:{port}")
+    await server.start()
+    running = RunningServer(server=server, port=bound, health=health_servicer, names=names)
+    await running.set_serving(False)
+    return running
+
+
+async def serve(services: list[Service], label: str, host: str, port: int,
+                grace_s: float = 30.0) -> None:
+    """Run until SIGTERM/SIGINT. Prints one line when listening and one when serving."""
+    running = await start_server(services, host, port)
+    # Machine-readable: `tandem up` and the tests read the port from this line.
+    print(f"tandem {label} listening on {host}:{running.port}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    load = asyncio.gather(*(asyncio.to_thread(s.load) for s in services))
+    waiter = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([load, waiter], return_when=asyncio.FIRST_COMPLETED)
+    if load.done():
+        load.result()  # re-raise a load failure: the process exits non-zero
+        await running.set_serving(True)
+        print(f"tandem {label} serving on {host}:{running.port}", flush=True)
+        await waiter
+    else:
+        load.cancel()
+    log.info("%s: draining for up to %.0fs", label, grace_s)
+    await running.health.enter_graceful_shutdown()
+    await running.server.stop(grace_s)
+    log.info("%s: stopped", label)
+
+
+def abort_status(exc: TandemError) -> tuple[grpc.StatusCode, str]:
+    return exc.code, str(exc)
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def handle_errors(method: F) -> F:
+    """Wrap a servicer method (coroutine or async generator) so domain errors become statuses."""
+
+    if inspect.isasyncgenfunction(method):
+        @functools.wraps(method)
+        async def stream_wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            try:
+                async for item in method(self, request, context):
+                    yield item
+            except TandemError as exc:
+                await context.abort(*abort_status(exc))
+
+        return stream_wrapper  # type: ignore[return-value]
+
+    @functools.wraps(method)
+    async def unary_wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await method(self, request, context)
+        except TandemError as exc:
+            await context.abort(*abort_status(exc))
+
+    return unary_wrapper  # type: ignore[return-value]
+
+
+def configure_logging(level: str = "INFO") -> None:
+    logging.basicConfig(
+        level=level.upper(), stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )

@@ -1,0 +1,1 @@
+"""The target service: scores draft blocks with the large target model."""

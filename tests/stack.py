@@ -1,0 +1,106 @@
+"""Start real Tandem services as separate processes on loopback, for integration tests."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tandem.client import TandemClient
+
+
+@dataclass
+class Process:
+    proc: subprocess.Popen[str]
+    address: str
+    lines: list[str] = field(default_factory=list)
+
+    def stop(self, sig_timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                return self.proc.wait(timeout=sig_timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        return self.proc.wait()
+
+
+def spawn(argv: Sequence[str], env: dict[str, str] | None = None) -> Process:
+    """Run `tandem <argv> --port 0`; return once it prints its address."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tandem.cli", *argv, "--host", "127.0.0.1", "--port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, **(env or {})},
+    )
+    assert proc.stdout is not None
+    lines: list[str] = []
+    for line in proc.stdout:
+        lines.append(line)
+        if " listening on " in line:
+            process = Process(proc, line.rsplit(" ", 1)[1].strip(), lines)
+            # Keep reading so the child never blocks on a full pipe; keep the log for failures.
+            threading.Thread(target=lambda: lines.extend(proc.stdout or []), daemon=True).start()
+            return process
+    raise RuntimeError(f"tandem {argv[0]} exited with {proc.wait()}:\n{''.join(lines)}")
+
+
+def wait_serving(process: Process, timeout: float = 600.0) -> None:
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(process.address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if process.proc.poll() is not None:
+                raise RuntimeError(f"process exited with {process.proc.returncode}:\n{''.join(process.lines)}")
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == \
+                        health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+    raise TimeoutError(f"{process.address} not SERVING after {timeout}s:\n{''.join(process.lines)}")
+
+
+@dataclass
+class Stack:
+    drafts: list[Process]
+    targets: list[Process]
+    orchestrator: Process
+
+    @property
+    def address(self) -> str:
+        return self.orchestrator.address
+
+    def client(self) -> TandemClient:
+        return TandemClient(self.address)
+
+    def stop(self) -> None:
+        for p in (self.orchestrator, *self.drafts, *self.targets):
+            p.stop()
+
+
+def start_stack(draft_model: str | None, target_model: str, *, num_drafts: int = 1,
+                num_targets: int = 1, dtype: str = "float32", threads: int = 1,
+                orchestrator_args: Sequence[str] = ()) -> Stack:
+    common = ["--dtype", dtype, "--threads", str(threads)]
+    drafts = [spawn(["draft-service", "--model", draft_model, *common])
+              for _ in range(num_drafts if draft_model else 0)]
+    targets = [spawn(["target-service", "--model", target_model, *common]) for _ in range(num_targets)]
+    orch = spawn(["orchestrator", "--draft", ",".join(p.address for p in drafts),
+                  "--target", ",".join(p.address for p in targets), "--tokenizer", target_model,
+                  *orchestrator_args])
+    try:
+        for p in (*drafts, *targets, orch):
+            wait_serving(p)
+    except BaseException:
+        for p in (orch, *drafts, *targets):
+            p.stop()
+        raise
+    return Stack(drafts, targets, orch)

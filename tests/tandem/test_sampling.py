@@ -1,0 +1,166 @@
+"""The rejection sampler: hand-built greedy cases, parameter handling, and exactness in distribution."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from scipy import stats
+
+from tandem import sampling
+from tandem.sampling import SamplingParams, SparseDistribution
+
+GREEDY = SamplingParams()
+ALPHA = 1e-3  # false-alarm rate of every statistical test here
+
+
+def one_hot(token: int, vocab: int = 6) -> torch.Tensor:
+    return torch.nn.functional.one_hot(torch.tensor(token), vocab).float()
+
+
+def greedy_step(target_argmax: list[int], draft: list[int]) -> list[int]:
+    """One greedy verification step, end to end through the core functions."""
+    probs = torch.stack([one_hot(t) for t in target_argmax])  # [k+1, vocab]
+    dists = [SparseDistribution((t,), (1.0,)) for t in draft]
+    scored = sampling.score_block(probs, draft, dists, torch.Generator().manual_seed(0))
+    accepted = sampling.num_accepted(scored.target_probs, [1.0] * len(draft), [0.5] * len(draft))
+    return sampling.commit(draft, scored, accepted)
+
+
+def test_greedy_perfect_match_takes_bonus() -> None:
+    assert greedy_step([1, 2, 3, 4], [1, 2, 3]) == [1, 2, 3, 4]
+
+
+def test_greedy_first_token_rejected_is_recovered() -> None:
+    assert greedy_step([5, 2, 3, 4], [1, 2, 3]) == [5]
+
+
+def test_greedy_early_mismatch() -> None:
+    assert greedy_step([1, 2, 0, 4], [1, 2, 3]) == [1, 2, 0]
+
+
+def test_greedy_empty_draft_is_plain_decoding() -> None:
+    assert greedy_step([4], []) == [4]
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def test_greedy_draft_lengths(k: int) -> None:
+    target = list(range(1, k + 2))
+    assert greedy_step([t % 6 for t in target], [t % 6 for t in target[:k]]) == [t % 6 for t in target]
+
+
+def test_probabilities_greedy_is_one_hot_argmax() -> None:
+    logits = torch.tensor([[0.1, 3.0, 2.9, -1.0]])
+    assert sampling.probabilities(logits, GREEDY).tolist() == [[0.0, 1.0, 0.0, 0.0]]
+
+
+def test_probabilities_temperature_top_k_top_p() -> None:
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    full = sampling.probabilities(logits, SamplingParams(temperature=1.0))
+    assert torch.allclose(full, torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    top2 = sampling.probabilities(logits, SamplingParams(temperature=1.0, top_k=2))
+    assert torch.allclose(top2, torch.tensor([[0.625, 0.375, 0.0, 0.0]]))
+    # Nucleus 0.7: 0.5 < 0.7, so the second token is kept as well; 0.5 + 0.3 >= 0.7 stops there.
+    nucleus = sampling.probabilities(logits, SamplingParams(temperature=1.0, top_p=0.7))
+    assert torch.allclose(nucleus, torch.tensor([[0.625, 0.375, 0.0, 0.0]]))
+    hot = sampling.probabilities(logits, SamplingParams(temperature=0.5))
+    expected = torch.tensor([0.5, 0.3, 0.15, 0.05]) ** 2
+    assert torch.allclose(hot[0], expected / expected.sum())
+
+
+@pytest.mark.parametrize("params, field", [
+    (SamplingParams(temperature=-1.0), "temperature"),
+    (SamplingParams(temperature=math.nan), "temperature"),
+    (SamplingParams(temperature=math.inf), "temperature"),
+    (SamplingParams(top_p=0.0), "top_p"),
+    (SamplingParams(top_p=1.5), "top_p"),
+    (SamplingParams(top_k=-1), "top_k"),
+])
+def test_validate_names_the_field(params: SamplingParams, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        sampling.validate(params)
+
+
+def test_truncate_renormalises_to_top_support() -> None:
+    probs = torch.tensor([0.1, 0.4, 0.2, 0.3])
+    ids, kept = sampling.truncate(probs, 2)
+    assert ids.tolist() == [1, 3]
+    assert torch.allclose(kept, torch.tensor([4 / 7, 3 / 7]))
+
+
+def test_score_block_does_not_modify_its_inputs() -> None:
+    # vLLM PR #16952 modified draft probabilities in place.
+    probs = torch.softmax(torch.randn(3, 5), -1)
+    before = probs.clone()
+    dists = [SparseDistribution((0, 1), (0.5, 0.5)), SparseDistribution((2,), (1.0,))]
+    sampling.score_block(probs, [1, 2], dists, torch.Generator().manual_seed(1))
+    assert torch.equal(probs, before)
+
+
+# --- Exactness in distribution -------------------------------------------------------------
+
+VOCAB = 4
+
+
+def _random_rows(generator: torch.Generator, *shape: int) -> torch.Tensor:
+    return torch.softmax(2.0 * torch.randn(*shape, VOCAB, generator=generator), -1)
+
+
+def _two_tokens(accept_rule: object, trials: int, seed: int = 0) -> tuple[list[int], torch.Tensor]:
+    """Sample the first two tokens with k=2 speculation over fixed random p and q tables.
+
+    The target's p for token 2 depends on token 1 (p2[x1]), as does the draft's q2[x1].
+    Returns the observed cell counts over (token1, token2) and the exact target law.
+    """
+    tables = torch.Generator().manual_seed(1234)
+    p1, p2, p3 = _random_rows(tables), _random_rows(tables, VOCAB), _random_rows(tables, VOCAB, VOCAB)
+    q1, q2 = _random_rows(tables), _random_rows(tables, VOCAB)
+    rng = torch.Generator().manual_seed(seed)
+    counts = [0] * (VOCAB * VOCAB)
+    for _ in range(trials):
+        x1 = int(sampling.sample(q1[None], rng)[0])
+        x2 = int(sampling.sample(q2[x1][None], rng)[0])
+        drafted = [x1, x2]
+        dists = [SparseDistribution(tuple(range(VOCAB)), tuple(q1.tolist())),
+                 SparseDistribution(tuple(range(VOCAB)), tuple(q2[x1].tolist()))]
+        target = torch.stack([p1, p2[x1], p3[x1, x2]])
+        scored = sampling.score_block(target, drafted, dists, rng)
+        uniforms = torch.rand(2, generator=rng, dtype=torch.float64).tolist()
+        accepted = accept_rule(scored.target_probs, [q1[x1].item(), q2[x1][x2].item()], uniforms)  # type: ignore[operator]
+        out = sampling.commit(drafted, scored, accepted)
+        if len(out) == 1:  # the next step would be plain target sampling from p2[token1]
+            out.append(int(sampling.sample(p2[out[0]][None], rng)[0]))
+        counts[out[0] * VOCAB + out[1]] += 1
+    exact = (p1[:, None] * p2).reshape(-1)
+    return counts, exact
+
+
+def _p_value(counts: list[int], exact: torch.Tensor) -> float:
+    law = exact.double() / exact.double().sum()
+    expected = law * sum(counts)
+    return float(stats.chisquare(counts, expected.tolist()).pvalue)
+
+
+def test_speculative_sampling_matches_target_distribution() -> None:
+    counts, exact = _two_tokens(sampling.num_accepted, trials=20_000)
+    assert _p_value(counts, exact) > ALPHA
+
+
+def test_statistical_test_catches_a_broken_acceptance_rule() -> None:
+    """The test above has power: accepting every drafted token (output ~ q) fails it."""
+    counts, exact = _two_tokens(lambda p, q, u: len(p), trials=20_000)
+    assert _p_value(counts, exact) < ALPHA
+
+
+def test_statistical_test_catches_a_subtly_wrong_acceptance_rule() -> None:
+    """Accepting with probability min(1, p) instead of min(1, p/q) also fails."""
+    counts, exact = _two_tokens(lambda p, q, u: sampling.num_accepted(p, [1.0] * len(p), u),
+                                trials=20_000)
+    assert _p_value(counts, exact) < ALPHA
+
+
+def test_seeded_sampling_is_deterministic() -> None:
+    a, _ = _two_tokens(sampling.num_accepted, trials=300, seed=7)
+    b, _ = _two_tokens(sampling.num_accepted, trials=300, seed=7)
+    assert a == b

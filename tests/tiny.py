@@ -1,0 +1,54 @@
+"""Tiny random Hugging Face models with a real (character-level) tokenizer, saved to disk.
+
+They load through the same `from_pretrained(path)` code as real models, so the tests
+exercise the real loading path.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import GenerationConfig, PreTrainedTokenizerFast, LlamaConfig, LlamaForCausalLM
+
+EOS = "<eos>"
+DEFAULT_CHARS = "abcdefghijklmnopqrstuvwxyz .,:()=\n"
+
+
+def make_tokenizer(chars: str = DEFAULT_CHARS) -> PreTrainedTokenizerFast:
+    vocab = {EOS: 0, "<unk>": 1, **{c: i + 2 for i, c in enumerate(chars)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, unk_token="<unk>")
+
+
+def make_model(path: Path, *, seed: int, chars: str = DEFAULT_CHARS, eos_token_id: int = 0,
+               layers: int = 2, hidden: int = 32, init_std: float = 0.3,
+               vocab_size: int | None = None) -> Path:
+    """Save a tiny random Llama model and its tokenizer at `path`."""
+    tokenizer = make_tokenizer(chars)
+    config = LlamaConfig(
+        vocab_size=vocab_size or len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=512, initializer_range=init_std, tie_word_embeddings=False,
+        eos_token_id=eos_token_id, bos_token_id=None, pad_token_id=None,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).eval()
+    model.generation_config = GenerationConfig(eos_token_id=eos_token_id, pad_token_id=eos_token_id)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def greedy_reference(path: Path, prompt_ids: list[int], max_new_tokens: int,
+                     eos_token_id: int | None = None) -> list[int]:
+    """The target's own greedy generate(): the ground truth for exactness tests."""
+    model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens,
+                              eos_token_id=eos_token_id, pad_token_id=0)
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt_ids]), generation_config=config)
+    return [int(t) for t in out[0, len(prompt_ids):]]
