@@ -9,7 +9,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from stack import Stack, start_stack  # noqa: E402
-from tiny import make_model  # noqa: E402
+from tiny import greedy_reference, make_draft_like, make_model, make_tokenizer  # noqa: E402
+
+PROMPTS = ["def fib(n):", "hello world", "x = (a, b)\n", "a"]
 
 
 @pytest.fixture(scope="session")
@@ -23,9 +25,9 @@ def tiny_target(tiny_dir: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_draft(tiny_dir: Path) -> Path:
-    # Different random weights from the target: many rejections.
-    return make_model(tiny_dir / "draft", seed=2)
+def tiny_draft(tiny_dir: Path, tiny_target: Path) -> Path:
+    # The target plus weight noise: some drafted tokens are accepted, many are not.
+    return make_draft_like(tiny_target, tiny_dir / "draft", noise=0.05, seed=2)
 
 
 @pytest.fixture(scope="session")
@@ -33,3 +35,18 @@ def tiny_stack(tiny_draft: Path, tiny_target: Path) -> Iterator[Stack]:
     stack = start_stack(str(tiny_draft), str(tiny_target))
     yield stack
     stack.stop()
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_target: Path):  # type: ignore[no-untyped-def]
+    """Greedy generate() of the tiny target, cached per (prompt, length)."""
+    tokenizer = make_tokenizer()
+    cache: dict[tuple[str, int], list[int]] = {}
+
+    def ref(prompt: str, max_new_tokens: int) -> list[int]:
+        key = (prompt, max_new_tokens)
+        if key not in cache:
+            cache[key] = greedy_reference(tiny_target, tokenizer.encode(prompt), max_new_tokens)
+        return cache[key]
+
+    return ref

@@ -43,10 +43,30 @@ def make_model(path: Path, *, seed: int, chars: str = DEFAULT_CHARS, eos_token_i
     return path
 
 
+def make_draft_like(target: Path, path: Path, *, noise: float, seed: int) -> Path:
+    """A draft that is the target plus Gaussian weight noise: partial agreement with the target.
+
+    noise=0 gives a draft identical to the target (every drafted token accepted).
+    """
+    model = LlamaForCausalLM.from_pretrained(target, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(noise * param.std() * torch.randn(param.shape, generator=generator))
+    model.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (target / name).exists():
+            (path / name).write_bytes((target / name).read_bytes())
+    return path
+
+
 def greedy_reference(path: Path, prompt_ids: list[int], max_new_tokens: int,
                      eos_token_id: int | None = None) -> list[int]:
     """The target's own greedy generate(): the ground truth for exactness tests."""
     model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    # generate() falls back to the model's own EOS for an unset one: clear it to ignore EOS.
+    model.generation_config.eos_token_id = eos_token_id
+    model.config.eos_token_id = eos_token_id
     config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens,
                               eos_token_id=eos_token_id, pad_token_id=0)
     with torch.inference_mode():

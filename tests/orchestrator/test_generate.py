@@ -1,0 +1,194 @@
+"""End to end through three real processes on loopback, with tiny random models (fp32)."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+
+from conftest import PROMPTS
+from stack import Stack, start_stack
+from tandem.v1 import orchestrator_pb2
+from tiny import greedy_reference, make_draft_like, make_model, make_tokenizer
+
+LENGTH = 40
+
+
+@pytest.mark.parametrize("k", [1, 4, 8])
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_output_equals_target_generate(tiny_stack: Stack, reference, prompt: str, k: int) -> None:  # type: ignore[no-untyped-def]
+    with tiny_stack.client() as client:
+        reply = client.generate(prompt, max_new_tokens=LENGTH, num_speculative_tokens=k, ignore_eos=True)
+    assert list(reply.token_ids) == reference(prompt, LENGTH)
+    usage = reply.usage
+    assert usage.completion_tokens == LENGTH
+    assert usage.drafted_tokens > 0
+    assert 0 <= usage.accepted_tokens <= usage.drafted_tokens
+    # Each target pass commits the accepted tokens plus one recovered or bonus token.
+    assert usage.completion_tokens == usage.accepted_tokens + usage.target_forward_passes
+
+
+def test_plain_target_decoding_through_the_services(tiny_stack: Stack, reference) -> None:  # type: ignore[no-untyped-def]
+    with tiny_stack.client() as client:
+        reply = client.generate(PROMPTS[0], max_new_tokens=LENGTH, num_speculative_tokens=0, ignore_eos=True)
+    assert list(reply.token_ids) == reference(PROMPTS[0], LENGTH)
+    assert reply.usage.drafted_tokens == 0
+    assert reply.usage.target_forward_passes == LENGTH
+
+
+def test_streaming_matches_unary_and_ends_with_usage(tiny_stack: Stack, reference) -> None:  # type: ignore[no-untyped-def]
+    with tiny_stack.client() as client:
+        messages = list(client.generate_stream(PROMPTS[1], max_new_tokens=LENGTH, ignore_eos=True))
+    assert all(m.HasField("delta") for m in messages[:-1])
+    assert messages[-1].HasField("summary")
+    summary = messages[-1].summary
+    streamed = [t for m in messages[:-1] for t in m.delta.token_ids]
+    assert streamed == reference(PROMPTS[1], LENGTH)
+    assert summary.finish_reason == orchestrator_pb2.FINISH_REASON_LENGTH
+    assert summary.usage.completion_tokens == LENGTH
+    text = "".join(m.delta.text for m in messages[:-1])
+    assert text == make_tokenizer().decode(streamed, skip_special_tokens=True)
+
+
+def test_wire_traffic_is_sparse(tiny_stack: Stack) -> None:
+    """O(k*K) numbers per step, never a vocabulary row: bytes per token stay small."""
+    with tiny_stack.client() as client:
+        reply = client.generate(PROMPTS[0], max_new_tokens=LENGTH, temperature=1.0, seed=1,
+                                num_speculative_tokens=8, ignore_eos=True)
+    assert 0 < reply.usage.wire_bytes / reply.usage.completion_tokens < 2048
+
+
+@pytest.mark.parametrize("k", [0, 4])
+def test_same_seed_same_output(tiny_stack: Stack, k: int) -> None:
+    with tiny_stack.client() as client:
+        runs = [client.generate(PROMPTS[0], max_new_tokens=LENGTH, temperature=1.0, top_p=0.9,
+                                seed=seed, num_speculative_tokens=k, ignore_eos=True).token_ids
+                for seed in (5, 5, 6)]
+    assert list(runs[0]) == list(runs[1])
+    assert list(runs[0]) != list(runs[2])
+
+
+def test_concurrent_requests_do_not_share_cache_state(tiny_stack: Stack, reference) -> None:  # type: ignore[no-untyped-def]
+    jobs = [(p, k) for p in PROMPTS for k in (1, 3, 5)]
+
+    def run(job: tuple[str, int]) -> list[int]:
+        with tiny_stack.client() as client:
+            return list(client.generate(job[0], max_new_tokens=LENGTH, num_speculative_tokens=job[1],
+                                        ignore_eos=True).token_ids)
+
+    with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+        outputs = list(pool.map(run, jobs))
+    assert outputs == [reference(p, LENGTH) for p, _ in jobs]
+
+
+def test_stop_string_truncates_text(tiny_stack: Stack, reference) -> None:  # type: ignore[no-untyped-def]
+    tokenizer = make_tokenizer()
+    full = tokenizer.decode(reference(PROMPTS[0], LENGTH))
+    stop = full[10:12]
+    cut = full.index(stop)
+    with tiny_stack.client() as client:
+        reply = client.generate(PROMPTS[0], max_new_tokens=LENGTH, stop=[stop], ignore_eos=True)
+    assert reply.text == full[:cut]
+    assert reply.finish_reason == orchestrator_pb2.FINISH_REASON_STOP_STRING
+    assert reply.usage.completion_tokens == len(reply.token_ids) < LENGTH
+
+
+# --- A draft that never agrees: the first drafted token is rejected at every step ---
+
+def test_first_draft_token_rejected_every_step(tiny_dir: Path, tiny_target: Path, reference) -> None:  # type: ignore[no-untyped-def]
+    unrelated = make_model(tiny_dir / "unrelated", seed=99)
+    stack = start_stack(str(unrelated), str(tiny_target))
+    try:
+        with stack.client() as client:
+            reply = client.generate(PROMPTS[0], max_new_tokens=LENGTH, num_speculative_tokens=4,
+                                    ignore_eos=True)
+    finally:
+        stack.stop()
+    assert list(reply.token_ids) == reference(PROMPTS[0], LENGTH)
+    assert reply.usage.drafted_tokens > 0
+    assert reply.usage.accepted_tokens < reply.usage.drafted_tokens / 4
+
+
+# --- A draft identical to the target: every drafted token is accepted ---
+
+@pytest.fixture(scope="module")
+def eos_model(tiny_dir: Path) -> tuple[Path, list[int], int]:
+    """A target whose EOS is a token it emits mid-generation; returns (path, greedy ids, eos index)."""
+    plain = make_model(tiny_dir / "eos-probe", seed=3)
+    tokenizer = make_tokenizer()
+    ids = greedy_reference(plain, tokenizer.encode(PROMPTS[0]), LENGTH)
+    # The first token that first occurs at index >= 6: inside the second or third block.
+    index = next(i for i, t in enumerate(ids) if i >= 6 and t not in ids[:i])
+    path = make_model(tiny_dir / "eos-target", seed=3, eos_token_id=ids[index])
+    return path, ids, index
+
+
+@pytest.fixture(scope="module")
+def identical_stack(eos_model: tuple[Path, list[int], int]) -> Stack:
+    path = eos_model[0]
+    stack = start_stack(str(path), str(path))
+    yield stack  # type: ignore[misc]
+    stack.stop()
+
+
+def test_all_drafted_tokens_accepted_takes_bonus(identical_stack: Stack, eos_model) -> None:  # type: ignore[no-untyped-def]
+    _, ids, _ = eos_model
+    with identical_stack.client() as client:
+        reply = client.generate(PROMPTS[0], max_new_tokens=LENGTH, num_speculative_tokens=4,
+                                ignore_eos=True)
+    assert list(reply.token_ids) == ids
+    usage = reply.usage
+    assert usage.accepted_tokens == usage.drafted_tokens > 0
+    # Prefill yields 1 token; every later pass yields 4 accepted + 1 bonus (k shrinks at the end).
+    assert usage.target_forward_passes == 1 + -(-(LENGTH - 1) // 5)
+
+
+def test_eos_inside_an_accepted_block(identical_stack: Stack, eos_model) -> None:  # type: ignore[no-untyped-def]
+    path, ids, index = eos_model
+    expected = greedy_reference(path, make_tokenizer().encode(PROMPTS[0]), LENGTH, eos_token_id=ids[index])
+    with identical_stack.client() as client:
+        reply = client.generate(PROMPTS[0], max_new_tokens=LENGTH, num_speculative_tokens=4)
+    assert list(reply.token_ids) == ids[: index + 1] == expected
+    assert reply.finish_reason == orchestrator_pb2.FINISH_REASON_EOS
+    assert reply.usage.completion_tokens == index + 1
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 2, 7, 9])
+def test_max_new_tokens_reached_mid_block(identical_stack: Stack, eos_model, max_new_tokens: int) -> None:  # type: ignore[no-untyped-def]
+    _, ids, _ = eos_model
+    with identical_stack.client() as client:
+        reply = client.generate(PROMPTS[0], max_new_tokens=max_new_tokens, num_speculative_tokens=4,
+                                ignore_eos=True)
+    assert list(reply.token_ids) == ids[:max_new_tokens]
+    assert reply.finish_reason == orchestrator_pb2.FINISH_REASON_LENGTH
+
+
+# --- Bad input: precise status, and the server keeps serving ---
+
+@pytest.mark.parametrize("fields, needle", [
+    ({"prompt": ""}, "prompt is empty"),
+    ({"max_new_tokens": 100_000}, "max_new_tokens"),
+    ({"max_new_tokens": 600}, "context"),
+    ({"temperature": -1.0}, "temperature"),
+    ({"temperature": float("nan")}, "temperature"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"num_speculative_tokens": 1000}, "num_speculative_tokens"),
+    ({"stop": [""]}, "stop_strings"),
+    ({"prompt": [9999]}, "prompt_token_ids"),
+])
+def test_invalid_requests_get_invalid_argument(tiny_stack: Stack, fields: dict, needle: str) -> None:  # type: ignore[type-arg]
+    args = {"prompt": "hello", "max_new_tokens": 4, **fields}
+    with tiny_stack.client() as client:
+        with pytest.raises(grpc.RpcError) as err:
+            client.generate(args.pop("prompt"), **args)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert needle in err.value.details()
+        assert client.generate("hello", max_new_tokens=3).usage.completion_tokens == 3
+
+
+def test_mismatched_tokenizers_are_refused(tiny_dir: Path, tiny_target: Path) -> None:
+    other = make_model(tiny_dir / "other-vocab", seed=4, chars="0123456789+-*/ ")
+    with pytest.raises(RuntimeError, match="does not share a tokenizer"):
+        start_stack(str(other), str(tiny_target))
