@@ -9,6 +9,7 @@ import torch
 from tandem import sampling
 from tandem.kv import KVSession
 from tandem.model_service import Step
+from tandem.models import CausalLM
 
 
 @dataclass(frozen=True)
@@ -19,7 +20,7 @@ class ProposedBlock:
 
 
 def propose_block(
-    model: torch.nn.Module,
+    model: CausalLM,
     session: KVSession,
     step: Step,
     num_speculative_tokens: int,

@@ -30,7 +30,7 @@ class DraftService(draft_pb2_grpc.DraftServiceServicer):
         self.host.load()
 
     @handle_errors
-    async def ProposeBlocks(  # noqa: N802 - gRPC method name
+    async def ProposeBlocks(
         self, request_iterator: AsyncIterator[draft_pb2.ProposeBlocksRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[draft_pb2.ProposeBlocksResponse]:
@@ -44,8 +44,8 @@ class DraftService(draft_pb2_grpc.DraftServiceServicer):
                 raise InvalidRequest(
                     f"max_support_size must be in [1, {MAX_SUPPORT_SIZE}], got {request.max_support_size}")
             params = sampling_from(request.sampling)
-            block, ms = await self.host.run(timed, lambda: propose_block(
-                model, session, step, k, params, request.max_support_size, request.seed))
+            block, ms = await self.host.run(timed, propose_block, model, session, step, k, params,
+                                            request.max_support_size, request.seed)
             yield draft_pb2.ProposeBlocksResponse(
                 token_ids=block.token_ids,
                 distributions=[common_pb2.SparseDistribution(token_ids=d.token_ids, probs=d.probs)
@@ -55,7 +55,7 @@ class DraftService(draft_pb2_grpc.DraftServiceServicer):
             )
 
     @handle_errors
-    async def GetModelInfo(  # noqa: N802
+    async def GetModelInfo(
         self, request: common_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.GetModelInfoResponse:
         self.host.ready_model()

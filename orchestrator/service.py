@@ -10,12 +10,17 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 import grpc
 
 from orchestrator.remote import (
-    DRAFT_STUB, TARGET_STUB, DraftSession, ReplicaPool, TargetSession, fetch_model_info,
+    DRAFT_STUB,
+    TARGET_STUB,
+    DraftSession,
+    ReplicaPool,
+    TargetSession,
+    fetch_model_info,
 )
 from orchestrator.speculation import Generation, Usage, speculate
 from orchestrator.text import TextStream
@@ -27,6 +32,8 @@ from tandem.server import handle_errors
 from tandem.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 
 log = logging.getLogger(__name__)
+
+FinishReason: TypeAlias = orchestrator_pb2.FinishReason
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
@@ -147,7 +154,7 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         return Generation(tuple(prompt), max_new, params, seed, k, self.config.max_support_size, eos), stops
 
     async def _run(self, request: Any, context: grpc.aio.ServicerContext
-                   ) -> AsyncIterator[tuple[list[int], str, int, Usage, int]]:
+                   ) -> AsyncIterator[tuple[list[int], str, FinishReason, Usage, int]]:
         """Yield (token_ids, text, finish_reason, usage, wire_bytes) per step; finish_reason 0 until the end."""
         gen, stops = self._validate(request)
         drafts, targets = self._pools()
@@ -158,7 +165,7 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         draft = DraftSession(drafts, session_id, timeout) if drafts and gen.num_speculative_tokens else None
         text = TextStream(self.tokenizer, stops)
         usage = Usage()
-        reason = orchestrator_pb2.FINISH_REASON_LENGTH
+        reason: FinishReason = orchestrator_pb2.FINISH_REASON_LENGTH
         try:
             async for step in speculate(gen, draft, target, usage):
                 kept = []
@@ -173,7 +180,7 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
                 elif step.finished_by_eos:
                     reason = orchestrator_pb2.FINISH_REASON_EOS
                 wire = target.wire_bytes + (draft.wire_bytes if draft else 0)
-                yield kept, text.take(), 0, usage, wire
+                yield kept, text.take(), orchestrator_pb2.FINISH_REASON_UNSPECIFIED, usage, wire
                 if text.stopped:
                     break
             wire = target.wire_bytes + (draft.wire_bytes if draft else 0)
@@ -193,7 +200,7 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
             total_ms=(time.perf_counter() - started) * 1000.0)
 
     @handle_errors
-    async def Generate(  # noqa: N802 - gRPC method name
+    async def Generate(
         self, request: orchestrator_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[orchestrator_pb2.GenerateResponse]:
         started = time.perf_counter()
@@ -206,7 +213,7 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
                     finish_reason=reason, usage=self._usage(usage, wire, started)))
 
     @handle_errors
-    async def GenerateUnary(  # noqa: N802
+    async def GenerateUnary(
         self, request: orchestrator_pb2.GenerateUnaryRequest, context: grpc.aio.ServicerContext
     ) -> orchestrator_pb2.GenerateUnaryResponse:
         started = time.perf_counter()

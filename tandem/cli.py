@@ -157,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--draft-dtype", default="float32")
     up.add_argument("--target-dtype", default="float32")
     up.add_argument("--host", default="127.0.0.1")
-    up.add_argument("--port", type=int, default=int(os.environ.get("TANDEM_PORT", 50051)))
+    up.add_argument("--port", type=int, default=int(os.environ.get("TANDEM_PORT", "50051")))
     up.set_defaults(func=_up)
 
     for label in ("draft-service", "target-service"):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Self
 
 import grpc
 
@@ -18,7 +18,7 @@ class TandemClient:
         self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._stub = orchestrator_pb2_grpc.OrchestratorServiceStub(self._channel)
 
-    def __enter__(self) -> TandemClient:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -14,6 +14,7 @@ import torch
 from transformers import DynamicCache
 
 from tandem.errors import CacheMismatch, InvalidRequest, ResourceExhausted
+from tandem.models import CausalLM
 
 
 @dataclass
@@ -49,14 +50,15 @@ class KVSession:
             )
 
     @torch.inference_mode()
-    def forward(self, model: torch.nn.Module, token_ids: list[int], logits_to_keep: int) -> torch.Tensor:
+    def forward(self, model: CausalLM, token_ids: list[int], logits_to_keep: int) -> torch.Tensor:
         """Append token_ids to the cache; return the last `logits_to_keep` logits [n, vocab] (CPU, fp32)."""
         device = model.get_input_embeddings().weight.device
         ids = torch.tensor([token_ids], dtype=torch.long, device=device)
         out = model(input_ids=ids, past_key_values=self.cache, use_cache=True,
                     logits_to_keep=logits_to_keep)
         self.cache = out.past_key_values
-        return out.logits[0, -logits_to_keep:].float().cpu()
+        logits: torch.Tensor = out.logits[0, -logits_to_keep:].float().cpu()
+        return logits
 
 
 class SessionTable:

@@ -58,7 +58,7 @@ class Step:
 class ModelHost:
     def __init__(self, config: ModelServiceConfig) -> None:
         self.config = config
-        self.model: torch.nn.Module | None = None
+        self.model: models.CausalLM | None = None
         self.info: common_pb2.ModelInfo | None = None
         self.sessions = SessionTable(config.max_sessions)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
@@ -84,7 +84,7 @@ class ModelHost:
                  self.info.device, self.config.dtype, time.perf_counter() - started,
                  torch.get_num_threads())
 
-    def ready_model(self) -> torch.nn.Module:
+    def ready_model(self) -> models.CausalLM:
         if self.model is None:
             raise Unavailable("the model is still loading; wait for health SERVING")
         return self.model
@@ -127,7 +127,8 @@ def sampling_from(proto: common_pb2.SamplingParams) -> SamplingParams:
     return params
 
 
-def timed(fn: Callable[[], R]) -> tuple[R, float]:
+def timed(fn: Callable[..., R], *args: Any) -> tuple[R, float]:
+    """fn(*args) and its wall time in milliseconds."""
     started = time.perf_counter()
-    result = fn()
+    result = fn(*args)
     return result, (time.perf_counter() - started) * 1000.0

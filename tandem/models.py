@@ -59,6 +59,9 @@ BUILTIN_MODELS = {
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 
+#: A loaded Hugging Face causal LM (transformers ships no precise types for them).
+CausalLM = Any
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -125,7 +128,7 @@ def prepare(model: BuiltinModel, target: Path, *, progress: bool = True) -> None
         # float32 keeps the dequantized GGUF weights exactly; the service picks its dtype at load.
         lm = AutoModelForCausalLM.from_pretrained(tmp, gguf_file=gguf.name, dtype=torch.float32)
         # The GGUF tensors are fully dequantized on load; drop the marker that blocks saving.
-        lm.hf_quantizer = None
+        setattr(lm, "hf_quantizer", None)  # noqa: B010 - typed as a module attribute
         if hasattr(lm.config, "quantization_config"):
             del lm.config.quantization_config
         lm.save_pretrained(staging)
@@ -166,7 +169,7 @@ def parse_max_memory(spec: str) -> dict[int | str, str] | None:
     return out
 
 
-def load_model(ref: str, placement: Placement) -> torch.nn.Module:
+def load_model(ref: str, placement: Placement) -> CausalLM:
     from transformers import AutoModelForCausalLM
 
     if placement.dtype not in DTYPES:
@@ -177,7 +180,7 @@ def load_model(ref: str, placement: Placement) -> torch.nn.Module:
         kwargs["device_map"] = placement.device_map
         kwargs["max_memory"] = parse_max_memory(placement.max_memory)
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        model: CausalLM = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except OSError as exc:
         raise ModelError(f"cannot load model {ref!r}: {exc}") from exc
     if placement.device_map is None:
@@ -203,7 +206,7 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()
 
 
-def eos_token_ids(model: torch.nn.Module, tokenizer: Any) -> list[int]:
+def eos_token_ids(model: CausalLM, tokenizer: Any) -> list[int]:
     eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     if eos is None:
         eos = tokenizer.eos_token_id
@@ -212,5 +215,5 @@ def eos_token_ids(model: torch.nn.Module, tokenizer: Any) -> list[int]:
     return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
 
 
-def max_context_tokens(model: torch.nn.Module) -> int:
+def max_context_tokens(model: CausalLM) -> int:
     return int(getattr(model.config, "max_position_embeddings", 0) or 0)

@@ -93,7 +93,7 @@ async def serve(services: list[Service], label: str, host: str, port: int,
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    load = asyncio.gather(*(asyncio.to_thread(s.load) for s in services))
+    load: asyncio.Future[Any] = asyncio.gather(*(asyncio.to_thread(s.load) for s in services))
     waiter = asyncio.ensure_future(stop.wait())
     await asyncio.wait([load, waiter], return_when=asyncio.FIRST_COMPLETED)
     if load.done():

@@ -9,6 +9,7 @@ import torch
 from tandem import sampling
 from tandem.kv import KVSession
 from tandem.model_service import Step
+from tandem.models import CausalLM
 
 
 @dataclass(frozen=True)
@@ -18,7 +19,7 @@ class ScoredStep:
 
 
 def score_block(
-    model: torch.nn.Module,
+    model: CausalLM,
     session: KVSession,
     step: Step,
     draft_token_ids: list[int],  # [k]

@@ -55,7 +55,7 @@ class TargetService(target_pb2_grpc.TargetServiceServicer):
         self.host.load()
 
     @handle_errors
-    async def ScoreBlocks(  # noqa: N802 - gRPC method name
+    async def ScoreBlocks(
         self, request_iterator: AsyncIterator[target_pb2.ScoreBlocksRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[target_pb2.ScoreBlocksResponse]:
@@ -64,8 +64,8 @@ class TargetService(target_pb2_grpc.TargetServiceServicer):
             step = step_from(request, session)
             ids, dists = draft_from(request, session)
             params = sampling_from(request.sampling)
-            result, ms = await self.host.run(timed, lambda: score_block(
-                model, session, step, ids, dists, params, request.seed))
+            result, ms = await self.host.run(timed, score_block, model, session, step, ids, dists,
+                                             params, request.seed)
             yield target_pb2.ScoreBlocksResponse(
                 target_probs=result.scored.target_probs,
                 recovered_token_ids=result.scored.recovered_token_ids,
@@ -75,7 +75,7 @@ class TargetService(target_pb2_grpc.TargetServiceServicer):
             )
 
     @handle_errors
-    async def GetModelInfo(  # noqa: N802
+    async def GetModelInfo(
         self, request: common_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.GetModelInfoResponse:
         self.host.ready_model()

@@ -8,8 +8,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from stack import Stack, start_stack  # noqa: E402
-from tiny import greedy_reference, make_draft_like, make_model, make_tokenizer  # noqa: E402
+from stack import Stack, start_stack
+from tiny import greedy_reference, make_draft_like, make_model, make_tokenizer
 
 PROMPTS = ["def fib(n):", "hello world", "x = (a, b)\n", "a"]
 

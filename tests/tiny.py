@@ -10,7 +10,13 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import GenerationConfig, PreTrainedTokenizerFast, LlamaConfig, LlamaForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+)
 
 EOS = "<eos>"
 DEFAULT_CHARS = "abcdefghijklmnopqrstuvwxyz .,:()=\n"
@@ -60,10 +66,10 @@ def make_draft_like(target: Path, path: Path, *, noise: float, seed: int) -> Pat
     return path
 
 
-def greedy_reference(path: Path, prompt_ids: list[int], max_new_tokens: int,
+def greedy_reference(path: Path | str, prompt_ids: list[int], max_new_tokens: int,
                      eos_token_id: int | None = None) -> list[int]:
     """The target's own greedy generate(): the ground truth for exactness tests."""
-    model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     # generate() falls back to the model's own EOS for an unset one: clear it to ignore EOS.
     model.generation_config.eos_token_id = eos_token_id
     model.config.eos_token_id = eos_token_id

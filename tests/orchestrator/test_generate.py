@@ -7,11 +7,11 @@ from pathlib import Path
 
 import grpc
 import pytest
-
 from conftest import PROMPTS
 from stack import Stack, start_stack
+from tiny import greedy_reference, make_model, make_tokenizer
+
 from tandem.v1 import orchestrator_pb2
-from tiny import greedy_reference, make_draft_like, make_model, make_tokenizer
 
 LENGTH = 40
 

@@ -1,0 +1,1 @@
+"""The orchestrator: public API, speculation loop, routing across replicas."""

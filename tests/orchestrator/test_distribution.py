@@ -1,0 +1,82 @@
+"""Sampled output through the three services follows the target-only distribution.
+
+A 4-token vocabulary makes the exact law of the first three generated tokens
+computable (64 cells). The orchestrator's first step is the target alone (it
+prefills both caches), so speculation decides tokens 2 and 3: the second step
+drafts k=2 of them. Chi-square test, false-alarm rate ALPHA; the core test
+(tests/tandem/test_sampling.py) shows the same test fails for broken acceptance rules.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from scipy import stats
+from stack import Stack, start_stack
+from tiny import make_draft_like, make_model
+from transformers import AutoModelForCausalLM
+
+from tandem import sampling
+
+ALPHA = 1e-3
+SAMPLES = 3000
+PROMPT = [2, 3, 2]
+VOCAB = 4
+
+
+@pytest.fixture(scope="module")
+def small_vocab(tiny_dir: Path) -> Iterator[tuple[Path, Stack]]:
+    target = make_model(tiny_dir / "v4-target", seed=11, chars="ab", init_std=0.5)
+    draft = make_draft_like(target, tiny_dir / "v4-draft", noise=0.5, seed=12)
+    stack = start_stack(str(draft), str(target))
+    yield target, stack
+    stack.stop()
+
+
+def exact_law(target: Path, params: sampling.SamplingParams) -> torch.Tensor:
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    law = torch.zeros(VOCAB, VOCAB, VOCAB, dtype=torch.float64)
+    with torch.inference_mode():
+        for t1, t2 in itertools.product(range(VOCAB), repeat=2):
+            logits = model(torch.tensor([PROMPT + [t1, t2]])).logits[0, -3:]
+            p = sampling.probabilities(logits, params).double()
+            law[t1, t2] = p[0, t1] * p[1, t2] * p[2]
+    return law.reshape(-1)
+
+
+@pytest.mark.parametrize("params", [
+    sampling.SamplingParams(temperature=1.0),
+    sampling.SamplingParams(temperature=0.8, top_k=3, top_p=0.9),
+], ids=["t1", "t0.8-topk3-topp0.9"])
+def test_speculative_sampling_matches_target_law(small_vocab: tuple[Path, Stack],
+                                                 params: sampling.SamplingParams) -> None:
+    target, stack = small_vocab
+    law = exact_law(target, params)
+    with stack.client() as client:
+        def draw(seed: int) -> tuple[int, int]:
+            reply = client.generate(PROMPT, max_new_tokens=3, temperature=params.temperature,
+                                    top_k=params.top_k, top_p=params.top_p, seed=seed,
+                                    num_speculative_tokens=2, ignore_eos=True)
+            t = list(reply.token_ids)
+            return t[0] * VOCAB * VOCAB + t[1] * VOCAB + t[2], reply.usage.accepted_tokens
+
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            results = list(pool.map(draw, range(SAMPLES)))
+    accepted = sum(a for _, a in results)
+    assert 0 < accepted < 2 * SAMPLES  # speculation really accepted and rejected tokens
+    counts = torch.bincount(torch.tensor([c for c, _ in results]), minlength=VOCAB**3).double()
+    expected = law * SAMPLES
+    # Pool the cells expected below 5 so the chi-square approximation holds.
+    small = expected < 5
+    observed = torch.cat([counts[~small], counts[small].sum()[None]])
+    wanted = torch.cat([expected[~small], expected[small].sum()[None]])
+    keep = wanted > 0
+    assert observed[~keep].sum() == 0, "a token outside the target's support was sampled"
+    wanted = wanted[keep] * (observed.sum() / wanted[keep].sum())
+    p_value = stats.chisquare(observed[keep].tolist(), wanted.tolist()).pvalue
+    assert p_value > ALPHA

@@ -1,0 +1,55 @@
+"""The bootstrap: NOT_SERVING until the service has loaded, SERVING after, drained on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tandem import server
+
+
+class SlowService:
+    name = "tandem.v1.TestService"
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def add_to(self, grpc_server: grpc.aio.Server) -> None:
+        pass
+
+    def load(self) -> None:
+        self.release.wait(timeout=30)
+
+
+async def _status(address: str) -> int:
+    async with grpc.aio.insecure_channel(address) as channel:
+        reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        return int(reply.status)
+
+
+def test_not_serving_until_loaded_then_graceful_stop(capsys) -> None:  # type: ignore[no-untyped-def]
+    async def scenario() -> None:
+        service = SlowService()
+        task = asyncio.create_task(server.serve([service], "test", "127.0.0.1", 0, grace_s=1))
+        while "listening on" not in (out := capsys.readouterr().out):
+            await asyncio.sleep(0.05)
+        address = out.strip().rsplit(" ", 1)[1]
+        assert await _status(address) == health_pb2.HealthCheckResponse.NOT_SERVING
+        service.release.set()
+        for _ in range(100):
+            if await _status(address) == health_pb2.HealthCheckResponse.SERVING:
+                break
+            await asyncio.sleep(0.05)
+        assert await _status(address) == health_pb2.HealthCheckResponse.SERVING
+        os.kill(os.getpid(), signal.SIGTERM)
+        await asyncio.wait_for(task, timeout=10)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+
+    asyncio.run(scenario())
