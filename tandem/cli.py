@@ -7,9 +7,8 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
 import sys
-import threading
+import time
 from collections.abc import Sequence
 
 from tandem import config, models
@@ -22,6 +21,9 @@ def _serve_model(args: argparse.Namespace, label: str) -> None:
     cfg = config.from_args(ModelServiceConfig, args)
     if not cfg.model:
         sys.exit(f"{label}: --model is required (a path, a hub id, or one of {sorted(models.BUILTIN_MODELS)})")
+    if cfg.quantize and label == "target-service":
+        sys.exit("target-service: --quantize is for drafts only; Tandem never changes the target's "
+                 "output. Choose the target's precision with --dtype.")
     configure_logging(cfg.log_level)
     host = ModelHost(cfg)
     if label == "draft-service":
@@ -46,58 +48,29 @@ def _serve_orchestrator(args: argparse.Namespace) -> None:
     asyncio.run(serve([service], "orchestrator", cfg.host, cfg.port, cfg.grace_s))
 
 
-def _spawn(argv: list[str]) -> tuple[subprocess.Popen[str], str]:
-    """Start `tandem <argv>` and return it with the address from its 'listening on' line."""
-    proc = subprocess.Popen([sys.executable, "-m", "tandem.cli", *argv], stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if " listening on " in line:
-            return proc, line.rsplit(" ", 1)[1].strip()
-    raise SystemExit(f"tandem {argv[0]} exited before listening (code {proc.wait()})")
-
-
-def _wait_line(proc: subprocess.Popen[str], needle: str) -> None:
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if needle in line:
-            return
-    raise SystemExit(f"a service exited while starting (code {proc.wait()}); see the log above")
-
-
 def _up(args: argparse.Namespace) -> None:
+    from tandem.launch import start_stack
+
     # Prepare built-in models here, once, with a progress bar, before the services load them.
     for ref in (args.draft, args.target):
         models.resolve(ref)
-    common = ["--host", "127.0.0.1", "--port", "0"]
-    procs: list[subprocess.Popen[str]] = []
+    print(f"starting draft {args.draft} ({args.draft_dtype}) and target {args.target} "
+          f"({args.target_dtype}); loading models...", flush=True)
+    stack = start_stack(args.draft, args.target, draft_dtype=args.draft_dtype,
+                        target_dtype=args.target_dtype, threads=0, port=args.port,
+                        draft_args=["--quantize", args.draft_quantize] if args.draft_quantize else [])
+    print(f"Tandem is ready: orchestrator listening on {stack.address}\n"
+          f"  try: tandem generate --address {stack.address} \"def fibonacci(n):\"", flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    processes = [stack.orchestrator, *stack.drafts, *stack.targets]
     try:
-        draft, draft_addr = _spawn(["draft-service", "--model", args.draft, "--dtype", args.draft_dtype, *common])
-        procs.append(draft)
-        target, target_addr = _spawn(["target-service", "--model", args.target, "--dtype",
-                                      args.target_dtype, *common])
-        procs.append(target)
-        orch, orch_addr = _spawn(["orchestrator", "--draft", draft_addr, "--target", target_addr,
-                                  "--tokenizer", args.target, "--host", args.host, "--port", str(args.port)])
-        procs.append(orch)
-        print(f"starting: draft {args.draft} on {draft_addr}, target {args.target} on {target_addr}; "
-              "loading models...", flush=True)
-        _wait_line(orch, " serving on ")
-        print(f"Tandem is ready: orchestrator listening on {orch_addr}\n"
-              f"  try: tandem generate --address {orch_addr} \"def fibonacci(n):\"", flush=True)
-        # Keep draining the children's stdout so they never block on a full pipe.
-        for proc in procs:
-            threading.Thread(target=lambda p=proc: [None for _ in p.stdout or []], daemon=True).start()
-        signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-        while all(p.poll() is None for p in procs):
-            threading.Event().wait(1.0)
+        while all(p.proc.poll() is None for p in processes):
+            time.sleep(1.0)
         print("a service exited; stopping the others", file=sys.stderr)
     except KeyboardInterrupt:
         pass
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            proc.wait(timeout=60)
+        stack.stop()
 
 
 def _generate(args: argparse.Namespace) -> None:
@@ -156,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--target", default=models.DEFAULT_TARGET, help="target model")
     up.add_argument("--draft-dtype", default="float32")
     up.add_argument("--target-dtype", default="float32")
+    up.add_argument("--draft-quantize", default="", help="int8-dynamic: a cheaper CPU draft")
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--port", type=int, default=int(os.environ.get("TANDEM_PORT", "50051")))
     up.set_defaults(func=_up)
@@ -184,6 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object at the end")
     gen.set_defaults(func=_generate)
 
+    sub.add_parser("bench", help="benchmark every mode side by side (tandem bench --help)")
     prep = sub.add_parser("prepare-models", help="assemble and convert the built-in models now")
     prep.add_argument("models", nargs="*")
     prep.set_defaults(func=_prepare)
@@ -191,6 +166,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:  # the benchmark has its own flags: tandem bench --help
+        from bench.run import main as bench_main
+
+        bench_main(argv[1:])
+        return
     args = build_parser().parse_args(argv)
     args.func(args)
 

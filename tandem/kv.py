@@ -54,9 +54,9 @@ class KVSession:
         """Append token_ids to the cache; return the last `logits_to_keep` logits [n, vocab] (CPU, fp32)."""
         device = model.get_input_embeddings().weight.device
         ids = torch.tensor([token_ids], dtype=torch.long, device=device)
-        out = model(input_ids=ids, past_key_values=self.cache, use_cache=True,
-                    logits_to_keep=logits_to_keep)
-        self.cache = out.past_key_values
+        # transformers >= 5.24 names the argument `cache` (past_key_values is deprecated); the
+        # DynamicCache is updated in place.
+        out = model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=logits_to_keep)
         logits: torch.Tensor = out.logits[0, -logits_to_keep:].float().cpu()
         return logits
 

@@ -41,6 +41,8 @@ class ModelServiceConfig:
                          "sequential, or a JSON {module: device} map")
     dtype: str = option("float32", "float32, bfloat16 or float16")
     max_memory: str = option("", "accelerate max_memory for device maps, e.g. 0=70GiB,1=70GiB")
+    quantize: str = option("", "draft only: int8-dynamic quantizes the Linear layers (CPU, float32); "
+                           "changes acceptance, never the output")
     threads: int = option(0, "torch intra-op threads (0: torch's default)")
     max_sessions: int = option(256, "most concurrent sessions (streams) on this replica")
     grace_s: float = option(30.0, "seconds to drain in-flight streams on SIGTERM")
@@ -66,7 +68,8 @@ class ModelHost:
     def load(self) -> None:
         if self.config.threads > 0:
             torch.set_num_threads(self.config.threads)
-        placement = models.Placement(self.config.device, self.config.dtype, self.config.max_memory)
+        placement = models.Placement(self.config.device, self.config.dtype, self.config.max_memory,
+                                     self.config.quantize)
         started = time.perf_counter()
         model = models.load_model(self.config.model, placement)
         tokenizer = models.load_tokenizer(self.config.model)
@@ -76,7 +79,7 @@ class ModelHost:
             tokenizer_fingerprint=models.tokenizer_fingerprint(tokenizer),
             max_context_tokens=models.max_context_tokens(model),
             eos_token_ids=models.eos_token_ids(model, tokenizer),
-            dtype=self.config.dtype,
+            dtype=self.config.dtype + (f"+{self.config.quantize}" if self.config.quantize else ""),
             device=str(getattr(model, "hf_device_map", None) or self.config.device),
         )
         self.model = model

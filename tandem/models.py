@@ -147,6 +147,7 @@ class Placement:
     device: str = "cpu"  # "cpu", "cuda", "cuda:N", or "auto"/"balanced"/... (an accelerate device map)
     dtype: str = "float32"
     max_memory: str = ""  # accelerate max_memory, e.g. "0=70GiB,1=70GiB,cpu=100GiB"
+    quantize: str = ""  # "" or "int8-dynamic" (drafts only: it changes the model's outputs)
 
     @property
     def device_map(self) -> str | dict[str, Any] | None:
@@ -185,9 +186,35 @@ def load_model(ref: str, placement: Placement) -> CausalLM:
         raise ModelError(f"cannot load model {ref!r}: {exc}") from exc
     if placement.device_map is None:
         model = model.to(placement.device)
+    if placement.quantize:
+        model = quantize(model, placement)
     model.eval()
     model.requires_grad_(False)
     return model
+
+
+QUANTIZATIONS = ("int8-dynamic",)
+
+
+def quantize(model: CausalLM, placement: Placement) -> CausalLM:
+    """int8 dynamic quantization of every Linear layer (weights int8, activations fp32, CPU).
+
+    Only for drafts: verification makes the output independent of the draft's precision,
+    which moves only the acceptance rate.
+    """
+    if placement.quantize not in QUANTIZATIONS:
+        raise ModelError(f"quantize must be one of {QUANTIZATIONS}, got {placement.quantize!r}")
+    if placement.device != "cpu" or placement.dtype != "float32":
+        raise ModelError("int8-dynamic quantization runs on --device cpu with --dtype float32")
+    import warnings
+
+    from torch.ao.quantization import quantize_dynamic
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch deprecates quantized tensors, not this path yet
+        quantized: CausalLM = quantize_dynamic(  # type: ignore[no-untyped-call]
+            model, {torch.nn.Linear}, dtype=torch.qint8)
+    return quantized
 
 
 def load_tokenizer(ref: str) -> Any:

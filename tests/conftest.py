@@ -8,8 +8,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from stack import Stack, start_stack
 from tiny import greedy_reference, make_draft_like, make_model, make_tokenizer
+
+from tandem.launch import Stack, start_stack
 
 PROMPTS = ["def fib(n):", "hello world", "x = (a, b)\n", "a"]
 

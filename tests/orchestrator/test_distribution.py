@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 from scipy import stats
-from stack import Stack, start_stack
 from tiny import make_draft_like, make_model
 from transformers import AutoModelForCausalLM
 
 from tandem import sampling
+from tandem.launch import Stack, start_stack
 
 ALPHA = 1e-3
 SAMPLES = 3000

@@ -8,9 +8,9 @@ from pathlib import Path
 import grpc
 import pytest
 from conftest import PROMPTS
-from stack import Stack, start_stack
 from tiny import greedy_reference, make_model, make_tokenizer
 
+from tandem.launch import Stack, start_stack
 from tandem.v1 import orchestrator_pb2
 
 LENGTH = 40

@@ -1,4 +1,4 @@
-"""Start real Tandem services as separate processes on loopback, for integration tests."""
+"""Start Tandem services as local processes: used by `tandem up`, the tests and the benchmark."""
 
 from __future__ import annotations
 
@@ -32,10 +32,10 @@ class Process:
         return self.proc.wait()
 
 
-def spawn(argv: Sequence[str], env: dict[str, str] | None = None) -> Process:
-    """Run `tandem <argv> --port 0`; return once it prints its address."""
+def spawn(argv: Sequence[str], env: dict[str, str] | None = None, port: int = 0) -> Process:
+    """Run `tandem <argv>` on 127.0.0.1:port (0: a free port); return once it prints its address."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tandem.cli", *argv, "--host", "127.0.0.1", "--port", "0"],
+        [sys.executable, "-m", "tandem.cli", *argv, "--host", "127.0.0.1", "--port", str(port)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, **(env or {})},
     )
@@ -87,15 +87,19 @@ class Stack:
 
 
 def start_stack(draft_model: str | None, target_model: str, *, num_drafts: int = 1,
-                num_targets: int = 1, dtype: str = "float32", threads: int = 1,
-                orchestrator_args: Sequence[str] = ()) -> Stack:
-    common = ["--dtype", dtype, "--threads", str(threads)]
-    drafts = [spawn(["draft-service", "--model", draft_model, *common])
-              for _ in range(num_drafts if draft_model else 0)]
-    targets = [spawn(["target-service", "--model", target_model, *common]) for _ in range(num_targets)]
+                num_targets: int = 1, draft_dtype: str = "float32",
+                target_dtype: str = "float32", threads: int = 1,
+                draft_args: Sequence[str] = (), target_args: Sequence[str] = (),
+                orchestrator_args: Sequence[str] = (), port: int = 0) -> Stack:
+    """Start drafts, targets and an orchestrator; return when all are SERVING."""
+    common = ["--threads", str(threads)]
+    drafts = [spawn(["draft-service", "--model", draft_model, "--dtype", draft_dtype, *common, *draft_args])
+              for _ in range(num_drafts)] if draft_model else []
+    targets = [spawn(["target-service", "--model", target_model, "--dtype", target_dtype, *common, *target_args])
+               for _ in range(num_targets)]
     orch = spawn(["orchestrator", "--draft", ",".join(p.address for p in drafts),
                   "--target", ",".join(p.address for p in targets), "--tokenizer", target_model,
-                  *orchestrator_args])
+                  *orchestrator_args], port=port)
     try:
         for p in (*drafts, *targets, orch):
             wait_serving(p)

@@ -1,0 +1,379 @@
+"""`tandem bench`: every mode in one invocation, on the same prompts, interleaved.
+
+Modes (each prompt runs every mode before the next prompt; the order rotates):
+  hf-target         Hugging Face target-only generate(), in process (the reference)
+  hf-assisted       HF assisted generation, draft in the same dtype as the target (HF defaults)
+  hf-assisted-cheap HF assisted generation with the same cheap draft Tandem uses
+  tandem-k0         Tandem with num_speculative_tokens=0: plain target decoding via the services
+  tandem            Tandem speculative, default policy, cheap draft
+  tandem-plain-draft  Tandem speculative with the draft in the target's dtype (acceptance before quantization)
+
+Results go to bench/results/<time>/: results.json, results.md and plot.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.prompts import Prompt, prompts
+from tandem import models
+from tandem.launch import Process, spawn, wait_serving
+
+HF_MODES = ("hf-target", "hf-assisted", "hf-assisted-cheap")
+TANDEM_MODES = ("tandem-k0", "tandem", "tandem-plain-draft")
+MODES = HF_MODES + TANDEM_MODES
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    temperature: float
+
+
+SETTINGS = (Setting("greedy", 0.0), Setting("t0.7", 0.7))
+
+
+@dataclass
+class Run:
+    mode: str
+    setting: str
+    prompt: str
+    kind: str
+    tokens: int
+    wall_s: float
+    ttft_s: float
+    token_ids: list[int] = field(repr=False)
+    drafted: int = 0
+    accepted: int = 0
+    passes: int = 0
+    draft_ms: float = 0.0
+    target_ms: float = 0.0
+    total_ms: float = 0.0
+    wire_bytes: int = 0
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.wall_s
+
+
+class FirstTokenTimer:
+    """A generate() streamer that notes when the first new token arrives."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.first: float | None = None
+
+    def put(self, value: Any) -> None:
+        self.calls += 1
+        if self.calls == 2 and self.first is None:  # the first put() is the prompt
+            self.first = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+def hf_run(mode: str, target: Any, assistant: Any, ids: list[int], setting: Setting, n: int,
+           seed: int) -> tuple[list[int], float, float]:
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(
+        do_sample=setting.temperature > 0, temperature=setting.temperature or None, top_k=0, top_p=1.0,
+        max_new_tokens=n, min_new_tokens=0, pad_token_id=0)
+    torch.manual_seed(seed)
+    timer = FirstTokenTimer()
+    started = time.perf_counter()
+    with torch.inference_mode():
+        out = target.generate(torch.tensor([ids]), generation_config=config, streamer=timer,
+                              assistant_model=assistant)
+    wall = time.perf_counter() - started
+    return out[0, len(ids):].tolist(), wall, (timer.first or started + wall) - started
+
+
+def tandem_run(client: Any, ids: list[int], setting: Setting, n: int, seed: int, k: int | None
+               ) -> tuple[list[int], float, float, Any]:
+    started = time.perf_counter()
+    first = None
+    token_ids: list[int] = []
+    summary = None
+    for message in client.generate_stream(ids, max_new_tokens=n, temperature=setting.temperature,
+                                          seed=seed, num_speculative_tokens=k, ignore_eos=True):
+        if message.HasField("delta"):
+            if first is None:
+                first = time.perf_counter()
+            token_ids.extend(message.delta.token_ids)
+        else:
+            summary = message.summary
+    wall = time.perf_counter() - started
+    return token_ids, wall, (first or started) - started, summary.usage
+
+
+def peak_rss_mb(pid: int | str = "self") -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def leviathan_bound(alpha: float, k: int, c: float) -> float:
+    """Expected speedup of speculative decoding: E / (k c + 1), E = (1 - alpha^(k+1)) / (1 - alpha)."""
+    expected = k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+    return expected / (k * c + 1)
+
+
+def summarize(runs: list[Run], k: int) -> dict[str, Any]:
+    by: dict[tuple[str, str], dict[str, Run]] = defaultdict(dict)
+    for r in runs:
+        by[(r.setting, r.prompt)][r.mode] = r
+    out: dict[str, Any] = {}
+    for setting in sorted({r.setting for r in runs}):
+        groups = [g for (s, _), g in by.items() if s == setting]
+        table: dict[str, Any] = {}
+        for mode in MODES:
+            mine = [g[mode] for g in groups if mode in g]
+            if not mine:
+                continue
+
+            def ratio(base: str, mode: str = mode) -> float | None:
+                pairs = [g[mode].tok_s / g[base].tok_s for g in groups if mode in g and base in g]
+                return statistics.median(pairs) if pairs else None
+
+            row: dict[str, Any] = {
+                "tok_s": statistics.median(r.tok_s for r in mine),
+                "ttft_s": statistics.median(r.ttft_s for r in mine),
+                "speedup_vs_hf_target": ratio("hf-target"),
+                "speedup_vs_hf_assisted": ratio("hf-assisted"),
+                "speedup_vs_hf_assisted_cheap": ratio("hf-assisted-cheap"),
+                "speedup_vs_tandem_k0": ratio("tandem-k0"),
+            }
+            if mode in TANDEM_MODES:
+                drafted, accepted = sum(r.drafted for r in mine), sum(r.accepted for r in mine)
+                passes = sum(r.passes for r in mine)
+                row["bytes_per_token"] = statistics.median(r.wire_bytes / r.tokens for r in mine)
+                row["mean_tokens_per_target_pass"] = sum(r.tokens for r in mine) / passes
+                step = {
+                    "draft_ms": statistics.median(r.draft_ms / r.passes for r in mine),
+                    "verify_ms": statistics.median(r.target_ms / r.passes for r in mine),
+                    "other_ms": statistics.median((r.total_ms - r.draft_ms - r.target_ms) / r.passes
+                                                  for r in mine),
+                }
+                row["per_step"] = step
+                if drafted:
+                    alpha = accepted / drafted
+                    c = (sum(r.draft_ms for r in mine) / drafted) / (sum(r.target_ms for r in mine) / passes)
+                    bound = leviathan_bound(alpha, k, c)
+                    row.update(alpha=alpha, c=c, leviathan_bound=bound)
+                    achieved = row["speedup_vs_tandem_k0"]
+                    row["fraction_of_bound"] = achieved / bound if achieved else None
+            table[mode] = row
+        out[setting] = table
+    return out
+
+
+def matches(runs: list[Run]) -> dict[str, str]:
+    """Greedy outputs of each mode that equal hf-target's, per mode (bf16 near-ties may flip)."""
+    ref = {r.prompt: r.token_ids for r in runs if r.mode == "hf-target" and r.setting == "greedy"}
+    out = {}
+    for mode in MODES:
+        mine = [r for r in runs if r.mode == mode and r.setting == "greedy" and r.prompt in ref]
+        if mine:
+            out[mode] = f"{sum(r.token_ids == ref[r.prompt] for r in mine)}/{len(mine)}"
+    return out
+
+
+def markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
+    def f(x: Any, fmt: str = "{:.2f}") -> str:
+        return "–" if x is None else fmt.format(x)
+
+    lines = [f"# tandem bench ({meta['started']})", "",
+             f"`{meta['command']}`: {meta['num_prompts']} prompts, {meta['max_new_tokens']} new tokens, "
+             f"k={meta['k']}, target {meta['target_dtype']}, cheap draft {meta['cheap_draft']}, "
+             f"threads {meta['threads']}", ""]
+    for setting, table in summary.items():
+        lines += [f"## {setting}", "",
+                  "| mode | tok/s | ×hf-target | ×hf-assisted | ×hf-assisted-cheap | ×tandem-k0 | TTFT s "
+                  "| α | tokens/pass | c | bound | achieved/bound | draft ms/step | verify ms/step "
+                  "| other ms/step | bytes/token |",
+                  "|" + "---|" * 16]
+        for mode, r in table.items():
+            step = r.get("per_step", {})
+            lines.append(
+                f"| {mode} | {f(r['tok_s'])} | {f(r['speedup_vs_hf_target'])} | "
+                f"{f(r['speedup_vs_hf_assisted'])} | {f(r['speedup_vs_hf_assisted_cheap'])} | "
+                f"{f(r['speedup_vs_tandem_k0'])} | {f(r['ttft_s'])} | {f(r.get('alpha'))} | "
+                f"{f(r.get('mean_tokens_per_target_pass'))} | {f(r.get('c'))} | "
+                f"{f(r.get('leviathan_bound'))} | {f(r.get('fraction_of_bound'))} | "
+                f"{f(step.get('draft_ms'), '{:.1f}')} | {f(step.get('verify_ms'), '{:.1f}')} | "
+                f"{f(step.get('other_ms'), '{:.2f}')} | {f(r.get('bytes_per_token'), '{:.0f}')} |")
+        lines.append("")
+    lines += ["Greedy outputs equal to hf-target: " + ", ".join(f"{m} {v}" for m, v in meta["matches"].items()),
+              "", "Peak RSS (MB): " + ", ".join(f"{k} {v:.0f}" for k, v in meta["peak_rss_mb"].items()), ""]
+    return "\n".join(lines)
+
+
+def plot(summary: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5))
+    width = 0.8 / max(1, len(summary))
+    for i, (setting, table) in enumerate(summary.items()):
+        modes = list(table)
+        left.bar([j + i * width for j in range(len(modes))],
+                 [table[m]["speedup_vs_hf_target"] or 0 for m in modes], width, label=setting)
+        left.set_xticks([j + width / 2 for j in range(len(modes))], modes, rotation=25, ha="right")
+    left.axhline(1.0, color="grey", lw=0.8)
+    left.set_ylabel("speedup vs HF target-only generate()")
+    left.legend()
+    rows = [(f"{m}\n{s}", t[m]["per_step"]) for s, t in summary.items() for m in t if "per_step" in t[m]]
+    bottom = [0.0] * len(rows)
+    for part in ("draft_ms", "verify_ms", "other_ms"):
+        values = [step[part] for _, step in rows]
+        right.bar(range(len(rows)), values, bottom=bottom, label=part.removesuffix("_ms"))
+        bottom = [b + v for b, v in zip(bottom, values)]
+    right.set_xticks(range(len(rows)), [name for name, _ in rows], fontsize=7)
+    right.set_ylabel("ms per target pass (step)")
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM
+
+    from tandem.client import TandemClient
+
+    parser = argparse.ArgumentParser(prog="tandem bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="3 prompts, 64 tokens: a couple of minutes")
+    parser.add_argument("--draft", default=models.DEFAULT_DRAFT)
+    parser.add_argument("--target", default=models.DEFAULT_TARGET)
+    parser.add_argument("--target-dtype", default="bfloat16")
+    parser.add_argument("--cheap-draft", default="int8-dynamic",
+                        help="how Tandem's draft is made cheap: int8-dynamic, or a dtype")
+    parser.add_argument("--num-speculative-tokens", type=int, default=None, help="k (default: server's)")
+    parser.add_argument("--max-new-tokens", type=int, default=None)
+    parser.add_argument("--num-code", type=int, default=20)
+    parser.add_argument("--num-prose", type=int, default=10)
+    parser.add_argument("--settings", default="greedy,t0.7")
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.num_code, args.num_prose = 2, 1
+    n = args.max_new_tokens or (64 if args.quick else 128)
+    modes = [m for m in args.modes.split(",") if m]
+    settings = [s for s in SETTINGS if s.name in args.settings.split(",")]
+    torch.set_num_threads(args.threads)
+
+    from orchestrator.service import OrchestratorConfig
+
+    k = args.num_speculative_tokens or OrchestratorConfig.num_speculative_tokens
+    quantized = args.cheap_draft == "int8-dynamic"
+    cheap = models.Placement(args.device, "float32" if quantized else args.cheap_draft,
+                             quantize="int8-dynamic" if quantized else "")
+    draft_path, target_path = models.resolve(args.draft), models.resolve(args.target)
+    tokenizer = models.load_tokenizer(args.target)
+    items: list[Prompt] = prompts(args.num_code, args.num_prose)
+
+    procs: dict[str, Process] = {}
+    threads = ["--threads", str(args.threads), "--device", args.device]
+    try:
+        if set(modes) & set(TANDEM_MODES):
+            procs["target-service"] = spawn(["target-service", "--model", args.target, "--dtype",
+                                             args.target_dtype, *threads])
+            cheap_args = ["--dtype", cheap.dtype] + (["--quantize", cheap.quantize] if cheap.quantize else [])
+            procs["draft-service(cheap)"] = spawn(["draft-service", "--model", args.draft, *cheap_args, *threads])
+            if "tandem-plain-draft" in modes:
+                procs["draft-service(plain)"] = spawn(["draft-service", "--model", args.draft, "--dtype",
+                                                       args.target_dtype, *threads])
+            orch_args = ["--target", procs["target-service"].address, "--tokenizer", args.target]
+            if args.num_speculative_tokens is not None:
+                orch_args += ["--num-speculative-tokens", str(args.num_speculative_tokens)]
+            procs["orchestrator(cheap)"] = spawn(["orchestrator", "--draft",
+                                                  procs["draft-service(cheap)"].address, *orch_args])
+            if "tandem-plain-draft" in modes:
+                procs["orchestrator(plain)"] = spawn(["orchestrator", "--draft",
+                                                      procs["draft-service(plain)"].address, *orch_args])
+        hf: dict[str, Any] = {}
+        dtype = models.DTYPES[args.target_dtype]
+        if "hf-target" in modes or "hf-assisted" in modes or "hf-assisted-cheap" in modes:
+            hf["target"] = AutoModelForCausalLM.from_pretrained(target_path, dtype=dtype).to(args.device).eval()
+        if "hf-assisted" in modes:
+            hf["draft"] = AutoModelForCausalLM.from_pretrained(draft_path, dtype=dtype).to(args.device).eval()
+        if "hf-assisted-cheap" in modes:
+            hf["cheap"] = models.load_model(args.draft, cheap)
+        for model in hf.values():  # run exactly n tokens in every mode, like ignore_eos
+            model.generation_config.eos_token_id = None
+        for p in procs.values():
+            wait_serving(p)
+        clients = {name: TandemClient(p.address) for name, p in procs.items() if name.startswith("orchestrator")}
+
+        runs: list[Run] = []
+        jobs = [(s, p) for s in settings for p in items]
+        bar = tqdm(total=len(jobs) * len(modes), desc="bench", unit="run")
+        started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+        # Warm up every mode once (first-call allocations, thread pools).
+        warm = tokenizer.encode("def f(x):")
+        for mode in modes:
+            _one(mode, hf, clients, warm, settings[0], 8, args.seed, args.num_speculative_tokens)
+        for j, (setting, prompt) in enumerate(jobs):
+            ids = tokenizer.encode(prompt.text)
+            order = modes[j % len(modes):] + modes[: j % len(modes)]  # rotate so drift hits all modes alike
+            for mode in order:
+                runs.append(_one(mode, hf, clients, ids, setting, n, args.seed, args.num_speculative_tokens,
+                                 prompt))
+                bar.update(1)
+        bar.close()
+
+        summary = summarize(runs, k)
+        rss = {"bench (HF in-process)": peak_rss_mb()} | {name: peak_rss_mb(p.proc.pid) for name, p in procs.items()}
+        meta = {
+            "started": started, "command": "tandem bench " + " ".join(argv or []),
+            "num_prompts": len(items), "max_new_tokens": n, "k": k, "target_dtype": args.target_dtype,
+            "cheap_draft": args.cheap_draft, "threads": f"{args.threads} per process",
+            "device": args.device, "matches": matches(runs), "peak_rss_mb": rss,
+        }
+        out = Path(args.out) / time.strftime("%Y%m%d-%H%M%S")
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.json").write_text(json.dumps(
+            {"meta": meta, "summary": summary, "runs": [asdict(r) for r in runs]}, indent=1))
+        (out / "results.md").write_text(markdown(summary, meta))
+        plot(summary, out / "plot.png")
+        print(markdown(summary, meta))
+        print(f"results: {out}/results.json, results.md, plot.png")
+    finally:
+        for p in procs.values():
+            p.stop()
+
+
+def _one(mode: str, hf: dict[str, Any], clients: dict[str, Any], ids: list[int], setting: Setting, n: int,
+         seed: int, k: int | None, prompt: Prompt | None = None) -> Run:
+    name, kind = (prompt.id, prompt.kind) if prompt else ("warmup", "warmup")
+    if mode in HF_MODES:
+        assistant = {"hf-target": None, "hf-assisted": hf.get("draft"), "hf-assisted-cheap": hf.get("cheap")}[mode]
+        tokens, wall, ttft = hf_run(mode, hf["target"], assistant, ids, setting, n, seed)
+        return Run(mode, setting.name, name, kind, len(tokens), wall, ttft, tokens)
+    client = clients["orchestrator(plain)" if mode == "tandem-plain-draft" else "orchestrator(cheap)"]
+    tokens, wall, ttft, usage = tandem_run(client, ids, setting, n, seed, 0 if mode == "tandem-k0" else k)
+    return Run(mode, setting.name, name, kind, len(tokens), wall, ttft, tokens, usage.drafted_tokens,
+               usage.accepted_tokens, usage.target_forward_passes, usage.draft_ms, usage.target_ms,
+               usage.total_ms, usage.wire_bytes)
+
+
+if __name__ == "__main__":
+    main()
