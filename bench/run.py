@@ -85,7 +85,7 @@ def hf_run(mode: str, target: Any, assistant: Any, ids: list[int], setting: Sett
            seed: int) -> tuple[list[int], float, float]:
     from transformers import GenerationConfig
 
-    config = GenerationConfig(
+    config = GenerationConfig(  # type: ignore[no-untyped-call]
         do_sample=setting.temperature > 0, temperature=setting.temperature or None, top_k=0, top_p=1.0,
         max_new_tokens=n, min_new_tokens=0, pad_token_id=0)
     torch.manual_seed(seed)
@@ -113,6 +113,7 @@ def tandem_run(client: Any, ids: list[int], setting: Setting, n: int, seed: int,
         else:
             summary = message.summary
     wall = time.perf_counter() - started
+    assert summary is not None, "the stream ended without a summary"
     return token_ids, wall, (first or started) - started, summary.usage
 
 
@@ -142,7 +143,7 @@ def summarize(runs: list[Run], k: int) -> dict[str, Any]:
             if not mine:
                 continue
 
-            def ratio(base: str, mode: str = mode) -> float | None:
+            def ratio(base: str, mode: str = mode, groups: list[dict[str, Run]] = groups) -> float | None:
                 pairs = [g[mode].tok_s / g[base].tok_s for g in groups if mode in g and base in g]
                 return statistics.median(pairs) if pairs else None
 
@@ -193,15 +194,15 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
     def f(x: Any, fmt: str = "{:.2f}") -> str:
         return "–" if x is None else fmt.format(x)
 
-    lines = [f"# tandem bench ({meta['started']})", "",
-             f"`{meta['command']}`: {meta['num_prompts']} prompts, {meta['max_new_tokens']} new tokens, "
-             f"k={meta['k']}, target {meta['target_dtype']}, cheap draft {meta['cheap_draft']}, "
-             f"threads {meta['threads']}", ""]
+    header = (f"`{meta['command']}`: {meta['num_prompts']} prompts, {meta['max_new_tokens']} new tokens, "
+              f"k={meta['k']}, target {meta['target_dtype']}, cheap draft {meta['cheap_draft']}, "
+              f"threads {meta['threads']}")
+    lines = [f"# tandem bench ({meta['started']})", "", header, ""]
     for setting, table in summary.items():
         lines += [f"## {setting}", "",
-                  "| mode | tok/s | ×hf-target | ×hf-assisted | ×hf-assisted-cheap | ×tandem-k0 | TTFT s "
-                  "| α | tokens/pass | c | bound | achieved/bound | draft ms/step | verify ms/step "
-                  "| other ms/step | bytes/token |",
+                  ("| mode | tok/s | ×hf-target | ×hf-assisted | ×hf-assisted-cheap | ×tandem-k0 | TTFT s "
+                   "| α | tokens/pass | c | bound | achieved/bound | draft ms/step | verify ms/step "
+                   "| other ms/step | bytes/token |"),
                   "|" + "---|" * 16]
         for mode, r in table.items():
             step = r.get("per_step", {})
@@ -256,7 +257,8 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(prog="tandem bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="3 prompts, 64 tokens: a couple of minutes")
+    parser.add_argument("--quick", action="store_true",
+                        help="2 code + 1 prose prompt, 32 tokens, greedy only (minutes on a 2-core CPU)")
     parser.add_argument("--draft", default=models.DEFAULT_DRAFT)
     parser.add_argument("--target", default=models.DEFAULT_TARGET)
     parser.add_argument("--target-dtype", default="bfloat16")
@@ -274,8 +276,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)
     if args.quick:
-        args.num_code, args.num_prose = 2, 1
-    n = args.max_new_tokens or (64 if args.quick else 128)
+        args.num_code, args.num_prose, args.settings = 2, 1, "greedy"
+    n = args.max_new_tokens or (32 if args.quick else 128)
     modes = [m for m in args.modes.split(",") if m]
     settings = [s for s in SETTINGS if s.name in args.settings.split(",")]
     torch.set_num_threads(args.threads)

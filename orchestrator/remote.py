@@ -26,27 +26,98 @@ class Replica:
     address: str
     stub: Any
     active_sessions: int = 0
+    # Set by discovery: a terminating replica takes no new sessions while its in-flight ones
+    # finish; a removed one has also left the pool and is closed after its last session.
+    terminating: bool = False
+    removed: bool = False
+    channel: Any = field(default=None, repr=False)
+
+
+def _channel_options(address: str) -> list[tuple[str, Any]]:
+    if address.startswith("dns:"):
+        # A dns:/// name of a headless Service resolves to every pod; round_robin spreads
+        # streams (sessions) over them, where the default pick_first would send all to one.
+        return [*CHANNEL_OPTIONS, ("grpc.lb_policy_name", "round_robin")]
+    return list(CHANNEL_OPTIONS)
 
 
 class ReplicaPool:
-    """Static replicas of one service; new sessions go to the least-loaded one and stay there."""
+    """Replicas of one service; new sessions go to the least-loaded routable one and stay there.
+
+    The replicas are the constructor's static addresses, or come and go through discovery:
+    `add`, `mark_terminating` (no new sessions; in-flight ones finish) and `remove`. Every
+    method runs on the event loop that owns the channels.
+    """
 
     def __init__(self, addresses: Sequence[str], stub_class: type) -> None:
-        self.replicas = []
+        self.stub_class = stub_class
+        self.replicas: list[Replica] = []
+        self._closing: set[asyncio.Task[None]] = set()
         for address in addresses:
-            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-            self.replicas.append(Replica(address=address, stub=stub_class(channel)))
+            self.add(address)
+
+    @property
+    def ready(self) -> bool:
+        """Whether some replica takes new sessions."""
+        return any(not r.terminating for r in self.replicas)
+
+    def get(self, address: str) -> Replica | None:
+        return next((r for r in self.replicas if r.address == address), None)
+
+    def add(self, address: str) -> Replica:
+        """Route new sessions to `address`; a replica marked terminating takes them again."""
+        replica = self.get(address)
+        if replica is None:
+            channel = grpc.aio.insecure_channel(address, options=_channel_options(address))
+            replica = Replica(address=address, stub=self.stub_class(channel), channel=channel)
+            self.replicas.append(replica)
+        replica.terminating = False
+        return replica
+
+    def mark_terminating(self, address: str) -> None:
+        """No new sessions on `address`; the sessions already there run to their end."""
+        replica = self.get(address)
+        if replica is not None:
+            replica.terminating = True
+
+    def remove(self, address: str) -> None:
+        """Forget `address`; its channel closes now, or when its last session ends."""
+        replica = self.get(address)
+        if replica is None:
+            return
+        self.replicas.remove(replica)
+        replica.terminating = replica.removed = True
+        if replica.active_sessions == 0:
+            self._close(replica)
 
     def acquire(self) -> Replica:
-        if not self.replicas:
-            raise Unavailable("no replica is configured")
-        replica = min(self.replicas, key=lambda r: r.active_sessions)
+        routable = [r for r in self.replicas if not r.terminating]
+        if not routable:
+            state = (f"{len(self.replicas)} known, all terminating" if self.replicas
+                     else "none discovered yet")
+            raise Unavailable(f"no replica is ready to take a new session ({state})")
+        replica = min(routable, key=lambda r: r.active_sessions)
         replica.active_sessions += 1
         return replica
 
-    @staticmethod
-    def release(replica: Replica) -> None:
+    def release(self, replica: Replica) -> None:
         replica.active_sessions -= 1
+        if replica.removed and replica.active_sessions == 0:
+            self._close(replica)
+
+    def _close(self, replica: Replica) -> None:
+        # Closing a channel cancels its calls, so only an idle replica's channel is closed.
+        task = asyncio.get_running_loop().create_task(replica.channel.close())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    async def close(self) -> None:
+        """Close every channel (in-flight calls are cancelled)."""
+        for replica in self.replicas:
+            await replica.channel.close()
+        self.replicas.clear()
+        if self._closing:
+            await asyncio.gather(*self._closing)
 
 
 def _sampling_proto(params: sampling.SamplingParams) -> common_pb2.SamplingParams:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import logging
 import math
 import os
@@ -10,10 +12,11 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import grpc
 
+from orchestrator.policy import POLICIES, CostModel
 from orchestrator.remote import (
     DRAFT_STUB,
     TARGET_STUB,
@@ -22,14 +25,19 @@ from orchestrator.remote import (
     TargetSession,
     fetch_model_info,
 )
-from orchestrator.speculation import Generation, Usage, speculate
+from orchestrator.speculation import Generation, Step, Usage, speculate
 from orchestrator.text import TextStream
-from tandem import models
+from tandem import metrics, models
 from tandem.config import option
 from tandem.errors import InvalidRequest, Unavailable
 from tandem.model_service import sampling_from
 from tandem.server import handle_errors
 from tandem.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
+
+if TYPE_CHECKING:
+    # Imported where used: the kubernetes client takes ~0.6 s to import, and only discovery
+    # needs it.
+    from orchestrator import discovery
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +45,10 @@ FinishReason: TypeAlias = orchestrator_pb2.FinishReason
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
+# Discovery: a replica Kubernetes calls ready is already SERVING, so describing it is quick;
+# the first request waits at most DISCOVERY_SYNC_S for the first listing's replicas.
+ADMIT_WAIT_S = 30.0
+DISCOVERY_SYNC_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -45,17 +57,31 @@ class OrchestratorConfig:
 
     draft: str = option("", "draft replica addresses, comma-separated (empty: no draft)")
     target: str = option("", "target replica addresses, comma-separated")
+    draft_service_name: str = option("", "Kubernetes Service whose EndpointSlices list the draft "
+                                     "replicas (live discovery, instead of --draft)")
+    target_service_name: str = option("", "Kubernetes Service whose EndpointSlices list the "
+                                      "target replicas (live discovery, instead of --target)")
+    namespace: str = option("", "namespace of those Services (empty: the pod's own)")
+    kubeconfig: str = option("", "kubeconfig file for discovery from outside the cluster (empty: "
+                             "the pod's service account, else $KUBECONFIG or ~/.kube/config)")
+    service_port_name: str = option("grpc", "name of the gRPC port in those Services")
     tokenizer: str = option(models.DEFAULT_TARGET, "tokenizer: path, hub id or built-in name "
                             "(must match the replicas' tokenizer)")
     host: str = option("127.0.0.1", "address to bind")
     port: int = option(50051, "port to bind (0 picks a free one)")
-    num_speculative_tokens: int = option(4, "default draft block length k (0: plain target decoding)")
+    num_speculative_tokens: int = option(4, "default draft block length k, the most k under the "
+                                         "adaptive policy (0: plain target decoding)")
+    speculation_policy: str = option("adaptive", "adaptive: choose k per step from measured acceptance "
+                                     "and costs (falls to 0 when speculation does not pay); fixed: "
+                                     "always k. A request that sets num_speculative_tokens gets fixed k")
     max_speculative_tokens: int = option(16, "largest k a request may ask for")
     max_support_size: int = option(8, "K: support of each draft distribution sent over the wire")
     max_new_tokens_cap: int = option(4096, "largest max_new_tokens a request may ask for")
     default_max_new_tokens: int = option(256, "max_new_tokens when a request leaves it unset")
     replica_wait_s: float = option(600.0, "how long start-up waits for replicas to be SERVING")
     grace_s: float = option(30.0, "seconds to drain in-flight streams on SIGTERM")
+    metrics_port: int = option(-1, "port for Prometheus metrics over HTTP (0 picks a free one; "
+                               "-1: none)")
     log_level: str = option("INFO", "logging level")
 
 
@@ -63,22 +89,72 @@ def _addresses(spec: str) -> list[str]:
     return [a.strip() for a in spec.split(",") if a.strip()]
 
 
+def _incompatibility(info: common_pb2.ModelInfo, reference: common_pb2.ModelInfo) -> str | None:
+    """Why a replica cannot pair with the reference target, or None."""
+    if info.tokenizer_fingerprint != reference.tokenizer_fingerprint:
+        return (f"model {info.model!r} does not share a tokenizer with target "
+                f"{reference.model!r}: their token ids mean different things, so its drafts "
+                "cannot be verified. Use a draft from the target's model family.")
+    if info.vocab_size > reference.vocab_size:
+        return (f"model {info.model!r} has {info.vocab_size} output rows but target "
+                f"{reference.model!r} has {reference.vocab_size}; a draft could propose ids "
+                "the target cannot score")
+    return None
+
+
+async def _observed_steps(steps: AsyncIterator[Step], usage: Usage) -> AsyncIterator[Step]:
+    """Pass the loop's steps through, recording each step's metrics from the usage it added,
+    so the speculation loop itself stays free of instrumentation."""
+    started = resumed = time.perf_counter()
+    before = dataclasses.replace(usage)
+    first = True
+    async for step in steps:
+        now = time.perf_counter()
+        metrics.observe_step(drafted=usage.drafted_tokens - before.drafted_tokens,
+                             accepted=usage.accepted_tokens - before.accepted_tokens,
+                             draft_s=(usage.draft_ms - before.draft_ms) / 1000.0,
+                             verify_s=(usage.target_ms - before.target_ms) / 1000.0,
+                             step_s=now - resumed)
+        if first and step.token_ids:
+            metrics.TIME_TO_FIRST_TOKEN.observe(now - started)
+            first = False
+        before = dataclasses.replace(usage)
+        yield step
+        resumed = time.perf_counter()
+
+
 class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
     name = "tandem.v1.OrchestratorService"
 
     def __init__(self, config: OrchestratorConfig) -> None:
-        if not _addresses(config.target):
-            raise ValueError("--target needs at least one target replica address")
+        if bool(_addresses(config.target)) == bool(config.target_service_name):
+            raise ValueError("set exactly one of --target (replica addresses) and "
+                             "--target-service-name (discovery in Kubernetes)")
+        if _addresses(config.draft) and config.draft_service_name:
+            raise ValueError("set at most one of --draft and --draft-service-name")
         self.config = config
         self.tokenizer: Any = None
         self.target_info: common_pb2.ModelInfo | None = None
         self.drafts: ReplicaPool | None = None
         self.targets: ReplicaPool | None = None
+        if config.speculation_policy not in POLICIES:
+            raise ValueError(f"--speculation-policy must be one of {POLICIES}")
+        self.costs = CostModel()
+        self._kube: Any = None  # the DiscoveryV1Api client, when discovering replicas
+        self._namespace = config.namespace
+        self._discoveries: list[discovery.ServiceDiscovery] = []
+        self._discovery_synced: asyncio.Future[None] | None = None
+        self._draftless = False  # no draft replica was ready for the last request
 
     def add_to(self, server: grpc.aio.Server) -> None:
         orchestrator_pb2_grpc.add_OrchestratorServiceServicer_to_server(self, server)
 
     def load(self) -> None:
+        if self.config.target_service_name or self.config.draft_service_name:
+            from orchestrator import discovery
+
+            self._kube = discovery.connect(self.config.kubeconfig)
+            self._namespace = self._namespace or discovery.default_namespace()
         asyncio.run(self._check_replicas())
         self.tokenizer = models.load_tokenizer(self.config.tokenizer)
         fingerprint = models.tokenizer_fingerprint(self.tokenizer)
@@ -90,32 +166,94 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
 
     async def _check_replicas(self) -> None:
         """Wait for every replica, and refuse a draft/target pair that do not share a tokenizer."""
-        wait = self.config.replica_wait_s
+        cfg, wait = self.config, self.config.replica_wait_s
+        target_addresses = _addresses(cfg.target)
+        if not target_addresses:  # discovery: one ready target is the reference; the watch admits all
+            from orchestrator import discovery
+
+            target_addresses = [await discovery.first_ready(
+                self._kube, self._namespace, cfg.target_service_name, cfg.service_port_name, wait)]
         targets = await asyncio.gather(*(fetch_model_info(a, TARGET_STUB, wait)
-                                         for a in _addresses(self.config.target)))
+                                         for a in target_addresses))
+        # Discovered drafts are checked one by one as they appear (_admit).
         drafts = await asyncio.gather(*(fetch_model_info(a, DRAFT_STUB, wait)
                                         for a in _addresses(self.config.draft)))
         reference = targets[0]
         for info in (*targets, *drafts):
-            if info.tokenizer_fingerprint != reference.tokenizer_fingerprint:
-                raise SystemExit(
-                    f"model {info.model!r} does not share a tokenizer with target "
-                    f"{reference.model!r}: their token ids mean different things, so its drafts "
-                    "cannot be verified. Use a draft from the target's model family.")
-            if info.vocab_size > reference.vocab_size:
-                raise SystemExit(
-                    f"model {info.model!r} has {info.vocab_size} output rows but target "
-                    f"{reference.model!r} has {reference.vocab_size}; a draft could propose ids "
-                    "the target cannot score")
+            problem = _incompatibility(info, reference)
+            if problem:
+                raise SystemExit(problem)
         self.target_info = reference
 
-    def _pools(self) -> tuple[ReplicaPool | None, ReplicaPool]:
+    async def _pools(self) -> tuple[ReplicaPool | None, ReplicaPool]:
         # Channels bind to the serving event loop, so they are made on first use, not in load().
         if self.targets is None:
             self.targets = ReplicaPool(_addresses(self.config.target), TARGET_STUB)
             drafts = _addresses(self.config.draft)
-            self.drafts = ReplicaPool(drafts, DRAFT_STUB) if drafts else None
+            self.drafts = (ReplicaPool(drafts, DRAFT_STUB)
+                           if drafts or self.config.draft_service_name else None)
+            self._discovery_synced = asyncio.ensure_future(self._start_discovery())
+        assert self._discovery_synced is not None
+        await asyncio.shield(self._discovery_synced)
         return self.drafts, self.targets
+
+    async def _start_discovery(self) -> None:
+        """Follow the configured Services' EndpointSlices; return once the first listing is in."""
+        cfg = self.config
+        if not (cfg.target_service_name or cfg.draft_service_name):
+            return
+        from orchestrator import discovery
+
+        services = [(cfg.target_service_name, self.targets, TARGET_STUB, "target"),
+                    (cfg.draft_service_name, self.drafts, DRAFT_STUB, "draft")]
+        for service, pool, stub, label in services:
+            if service and pool is not None:
+                watched = discovery.ServiceDiscovery(
+                    self._kube, self._namespace, service, cfg.service_port_name, pool, label,
+                    functools.partial(self._admit, stub))
+                watched.start()
+                self._discoveries.append(watched)
+        await asyncio.gather(*(d.wait_synced(DISCOVERY_SYNC_S) for d in self._discoveries))
+
+    async def _admit(self, stub_class: type, address: str) -> None:
+        """Let a discovered replica in only if it pairs with the target, as at start-up."""
+        from orchestrator.discovery import ReplicaRejected
+
+        assert self.target_info is not None
+        try:
+            info = await fetch_model_info(address, stub_class, ADMIT_WAIT_S)
+        except (Unavailable, grpc.aio.AioRpcError) as exc:
+            raise ReplicaRejected(f"cannot describe its model: {exc}") from exc
+        problem = _incompatibility(info, self.target_info)
+        if problem:
+            raise ReplicaRejected(problem)
+
+    def _draft_session(self, drafts: ReplicaPool | None, session_id: str,
+                       timeout: float | None) -> DraftSession | None:
+        """A session on a draft replica, or None to decode with the target alone.
+
+        With discovery, every draft replica can be gone or draining at once (a rollout, the
+        drain of the only one's node). Decoding without a draft is just as exact, only slower,
+        so requests go on without one: counted, and logged when it starts.
+        """
+        if drafts is None:
+            return None
+        if drafts.ready:
+            self._draftless = False
+            return DraftSession(drafts, session_id, timeout)
+        if not self._draftless:
+            log.warning("no draft replica is ready: decoding with the target alone until one is")
+            self._draftless = True
+        metrics.DRAFTLESS_REQUESTS.inc()
+        return None
+
+    async def close(self) -> None:
+        """Stop discovery and close the replicas' channels (tests; a process just exits)."""
+        for watched in self._discoveries:
+            await watched.close()
+        for pool in (self.drafts, self.targets):
+            if pool is not None:
+                await pool.close()
 
     def _validate(self, request: Any) -> tuple[Generation, tuple[str, ...]]:
         if self.tokenizer is None or self.target_info is None:
@@ -140,8 +278,9 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
                 f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new}) exceeds the target's "
                 f"context of {info.max_context_tokens} tokens; shorten the prompt or max_new_tokens")
         params = sampling_from(request.sampling)
-        k = request.num_speculative_tokens if request.HasField("num_speculative_tokens") \
-            else cfg.num_speculative_tokens
+        explicit = request.HasField("num_speculative_tokens")
+        k = request.num_speculative_tokens if explicit else cfg.num_speculative_tokens
+        policy = "fixed" if explicit else cfg.speculation_policy
         if not 0 <= k <= cfg.max_speculative_tokens:
             raise InvalidRequest(
                 f"num_speculative_tokens must be in [0, {cfg.max_speculative_tokens}], got {k}")
@@ -151,23 +290,24 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
                 f"stop_strings: at most {MAX_STOP_STRINGS}, each 1..{MAX_STOP_STRING_CHARS} characters")
         seed = request.seed if request.HasField("seed") else int.from_bytes(os.urandom(8), "little") >> 2
         eos = frozenset() if request.ignore_eos else frozenset(info.eos_token_ids)
-        return Generation(tuple(prompt), max_new, params, seed, k, self.config.max_support_size, eos), stops
+        return Generation(tuple(prompt), max_new, params, seed, k, policy, self.config.max_support_size,
+                          eos), stops
 
     async def _run(self, request: Any, context: grpc.aio.ServicerContext
                    ) -> AsyncIterator[tuple[list[int], str, FinishReason, Usage, int]]:
         """Yield (token_ids, text, finish_reason, usage, wire_bytes) per step; finish_reason 0 until the end."""
         gen, stops = self._validate(request)
-        drafts, targets = self._pools()
+        drafts, targets = await self._pools()
         remaining = context.time_remaining()
         timeout = remaining if remaining is not None and math.isfinite(remaining) else None
         session_id = uuid.uuid4().hex
         target = TargetSession(targets, session_id, timeout)
-        draft = DraftSession(drafts, session_id, timeout) if drafts and gen.num_speculative_tokens else None
+        draft = self._draft_session(drafts, session_id, timeout) if gen.num_speculative_tokens else None
         text = TextStream(self.tokenizer, stops)
         usage = Usage()
         reason: FinishReason = orchestrator_pb2.FINISH_REASON_LENGTH
         try:
-            async for step in speculate(gen, draft, target, usage):
+            async for step in _observed_steps(speculate(gen, draft, target, usage, self.costs), usage):
                 kept = []
                 for token in step.token_ids:
                     kept.append(token)
@@ -186,6 +326,7 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
             wire = target.wire_bytes + (draft.wire_bytes if draft else 0)
             yield [], text.take(final=True), reason, usage, wire
         finally:
+            metrics.observe_tokens(prompt=usage.prompt_tokens, completion=usage.completion_tokens)
             await target.close()
             if draft is not None:
                 await draft.close()
@@ -204,13 +345,14 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         self, request: orchestrator_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[orchestrator_pb2.GenerateResponse]:
         started = time.perf_counter()
-        async for token_ids, text, reason, usage, wire in self._run(request, context):
-            if token_ids or text:
-                yield orchestrator_pb2.GenerateResponse(
-                    delta=orchestrator_pb2.TokenDelta(token_ids=token_ids, text=text))
-            if reason:
-                yield orchestrator_pb2.GenerateResponse(summary=orchestrator_pb2.GenerationSummary(
-                    finish_reason=reason, usage=self._usage(usage, wire, started)))
+        with metrics.track_request("Generate"):
+            async for token_ids, text, reason, usage, wire in self._run(request, context):
+                if token_ids or text:
+                    yield orchestrator_pb2.GenerateResponse(
+                        delta=orchestrator_pb2.TokenDelta(token_ids=token_ids, text=text))
+                if reason:
+                    yield orchestrator_pb2.GenerateResponse(summary=orchestrator_pb2.GenerationSummary(
+                        finish_reason=reason, usage=self._usage(usage, wire, started)))
 
     @handle_errors
     async def GenerateUnary(
@@ -218,10 +360,11 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
     ) -> orchestrator_pb2.GenerateUnaryResponse:
         started = time.perf_counter()
         reply = orchestrator_pb2.GenerateUnaryResponse()
-        async for token_ids, text, reason, usage, wire in self._run(request, context):
-            reply.token_ids.extend(token_ids)
-            reply.text += text
-            if reason:
-                reply.finish_reason = reason
-                reply.usage.CopyFrom(self._usage(usage, wire, started))
+        with metrics.track_request("GenerateUnary"):
+            async for token_ids, text, reason, usage, wire in self._run(request, context):
+                reply.token_ids.extend(token_ids)
+                reply.text += text
+                if reason:
+                    reply.finish_reason = reason
+                    reply.usage.CopyFrom(self._usage(usage, wire, started))
         return reply

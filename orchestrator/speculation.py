@@ -9,11 +9,13 @@ step rolls both caches back to that (see remote.py). The maths is in tandem.samp
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import torch
 
+from orchestrator.policy import CostModel, Speculation
 from orchestrator.remote import EMPTY_BLOCK, DraftSession, TargetSession
 from tandem import sampling
 
@@ -26,7 +28,8 @@ class Generation:
     max_new_tokens: int
     sampling: sampling.SamplingParams
     seed: int
-    num_speculative_tokens: int  # k; 0 means plain target decoding
+    num_speculative_tokens: int  # k (the most k, under the adaptive policy); 0: plain decoding
+    policy: str  # "fixed" or "adaptive" (see orchestrator/policy.py)
     max_support_size: int  # K: support of each draft distribution on the wire
     eos_token_ids: frozenset[int]  # empty when the request ignores EOS
 
@@ -49,16 +52,18 @@ class Step:
 
 
 async def speculate(gen: Generation, draft: DraftSession | None, target: TargetSession,
-                    usage: Usage) -> AsyncIterator[Step]:
+                    usage: Usage, costs: CostModel) -> AsyncIterator[Step]:
     """Yield the tokens committed by each step until max_new_tokens or EOS."""
     history = list(gen.prompt_token_ids)
     rng = torch.Generator().manual_seed(gen.seed)
+    policy = Speculation(gen.policy, gen.num_speculative_tokens if draft else 0, costs)
     usage.prompt_tokens = len(history)
     while usage.completion_tokens < gen.max_new_tokens:
         remaining = gen.max_new_tokens - usage.completion_tokens
         draft_seed, target_seed = torch.randint(0, 2**62, (2,), generator=rng).tolist()
-        # Drafting past what can still be committed is wasted work.
-        k = 0 if draft is None else min(gen.num_speculative_tokens, remaining - 1)
+        started = time.perf_counter()
+        prefill, target_synced = target.synced == 0, target.synced
+        k = policy.choose(remaining)
         if draft is None or k == 0:
             block = EMPTY_BLOCK
             scores = await target.score(history, block, gen.sampling, target_seed)
@@ -67,6 +72,7 @@ async def speculate(gen: Generation, draft: DraftSession | None, target: TargetS
             block, scores = await asyncio.gather(
                 draft.propose(history, 0, gen.sampling, gen.max_support_size, draft_seed),
                 target.score(history, EMPTY_BLOCK, gen.sampling, target_seed))
+            k = 0
         else:
             block = await draft.propose(history, k, gen.sampling, gen.max_support_size, draft_seed)
             scores = await target.score(history, block, gen.sampling, target_seed)
@@ -80,6 +86,10 @@ async def speculate(gen: Generation, draft: DraftSession | None, target: TargetS
             assert draft is not None
             draft.advance(block.cache_length, len(history) + accepted)
         target.advance(scores.cache_length, len(history) + accepted)
+        if not prefill:
+            policy.observe(k, accepted, block.compute_ms, scores.compute_ms,
+                           (time.perf_counter() - started) * 1000.0,
+                           len(history) - target_synced + len(block.token_ids))
 
         eos_at = next((i for i, t in enumerate(new) if t in gen.eos_token_ids), None)
         new = new[: remaining if eos_at is None else min(eos_at + 1, remaining)]

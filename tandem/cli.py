@@ -32,7 +32,8 @@ def _serve_model(args: argparse.Namespace, label: str) -> None:
     else:
         from target_service.service import TargetService
         service = TargetService(host)
-    asyncio.run(serve([service], label, cfg.host, cfg.port, cfg.grace_s))  # type: ignore[list-item]
+    asyncio.run(serve([service], label, cfg.host, cfg.port, cfg.grace_s,  # type: ignore[list-item]
+                      metrics_port=cfg.metrics_port))
 
 
 def _serve_orchestrator(args: argparse.Namespace) -> None:
@@ -45,7 +46,8 @@ def _serve_orchestrator(args: argparse.Namespace) -> None:
         service = OrchestratorService(cfg)
     except ValueError as exc:
         sys.exit(f"orchestrator: {exc}")
-    asyncio.run(serve([service], "orchestrator", cfg.host, cfg.port, cfg.grace_s))
+    asyncio.run(serve([service], "orchestrator", cfg.host, cfg.port, cfg.grace_s,
+                      metrics_port=cfg.metrics_port))
 
 
 def _up(args: argparse.Namespace) -> None:

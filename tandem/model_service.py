@@ -23,6 +23,7 @@ from tandem import models
 from tandem.config import option
 from tandem.errors import InvalidRequest, Unavailable
 from tandem.kv import KVSession, SessionTable
+from tandem.metrics import ReplicaMetrics
 from tandem.sampling import SamplingParams, validate
 from tandem.v1 import common_pb2
 
@@ -46,6 +47,8 @@ class ModelServiceConfig:
     threads: int = option(0, "torch intra-op threads (0: torch's default)")
     max_sessions: int = option(256, "most concurrent sessions (streams) on this replica")
     grace_s: float = option(30.0, "seconds to drain in-flight streams on SIGTERM")
+    metrics_port: int = option(-1, "port for Prometheus metrics over HTTP (0 picks a free one; "
+                               "-1: none)")
     log_level: str = option("INFO", "logging level")
 
 
@@ -63,6 +66,7 @@ class ModelHost:
         self.model: models.CausalLM | None = None
         self.info: common_pb2.ModelInfo | None = None
         self.sessions = SessionTable(config.max_sessions)
+        self.metrics = ReplicaMetrics.for_model(config.model, config.max_sessions)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
 
     def load(self) -> None:
@@ -75,7 +79,7 @@ class ModelHost:
         tokenizer = models.load_tokenizer(self.config.model)
         self.info = common_pb2.ModelInfo(
             model=self.config.model,
-            vocab_size=int(model.get_output_embeddings().weight.shape[0]),
+            vocab_size=models.logits_width(model),
             tokenizer_fingerprint=models.tokenizer_fingerprint(tokenizer),
             max_context_tokens=models.max_context_tokens(model),
             eos_token_ids=models.eos_token_ids(model, tokenizer),
@@ -100,15 +104,21 @@ class ModelHost:
         """Yield (session, request) for each message of a stream; the session dies with the stream."""
         self.ready_model()
         handle: int | None = None
+        cached_tokens = 0  # this session's share of the KV metric
         try:
             async for request in requests:
                 if handle is None:
                     assert self.info is not None
                     handle, session = self.sessions.open(request.session_id, self.info.vocab_size)
-                yield session, request
+                    self.metrics.session_opened()
+                with self.metrics.step():
+                    yield session, request
+                self.metrics.kv_changed(session.length - cached_tokens)
+                cached_tokens = session.length
         finally:
             if handle is not None:
                 self.sessions.close(handle)
+                self.metrics.session_closed(cached_tokens)
 
 
 def step_from(request: Any, session: KVSession) -> Step:

@@ -242,5 +242,11 @@ def eos_token_ids(model: CausalLM, tokenizer: Any) -> list[int]:
     return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
 
 
+def logits_width(model: CausalLM) -> int:
+    """Rows of the output layer (may exceed the tokenizer's vocabulary; quantized layers have no .weight)."""
+    head = model.get_output_embeddings()
+    return int(getattr(head, "out_features", None) or model.config.vocab_size)
+
+
 def max_context_tokens(model: CausalLM) -> int:
     return int(getattr(model.config, "max_position_embeddings", 0) or 0)

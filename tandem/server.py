@@ -4,7 +4,8 @@
 has loaded), reflection, and the services' handlers, and binds it (port 0 picks a
 free port, for tests). `serve` runs it: it loads the model off the event loop,
 flips health to SERVING, and on SIGTERM/SIGINT turns NOT_SERVING, refuses new work
-and drains in-flight streams within the grace period.
+and drains in-flight streams within the grace period. With a metrics port it also serves
+Prometheus metrics over HTTP, from before loading until the drain is over.
 
 `handle_errors` is the one place that turns domain exceptions into gRPC statuses.
 """
@@ -25,6 +26,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from tandem import metrics
 from tandem.errors import TandemError
 
 log = logging.getLogger(__name__)
@@ -84,11 +86,27 @@ async def start_server(services: list[Service], host: str = "127.0.0.1", port: i
 
 
 async def serve(services: list[Service], label: str, host: str, port: int,
-                grace_s: float = 30.0) -> None:
-    """Run until SIGTERM/SIGINT. Prints one line when listening and one when serving."""
+                grace_s: float = 30.0, metrics_port: int = -1) -> None:
+    """Run until SIGTERM/SIGINT. Prints one line when listening and one when serving.
+
+    metrics_port: serve Prometheus metrics on http://host:metrics_port/metrics (0 picks a
+    free port; negative: no metrics endpoint).
+    """
     running = await start_server(services, host, port)
     # Machine-readable: `tandem up` and the tests read the port from this line.
     print(f"tandem {label} listening on {host}:{running.port}", flush=True)
+    exporter = metrics.start_metrics_server(host, metrics_port) if metrics_port >= 0 else None
+    if exporter is not None:
+        print(f"tandem {label} metrics on http://{host}:{exporter.port}/metrics", flush=True)
+    try:
+        await _run_until_signal(services, label, host, running, grace_s)
+    finally:
+        if exporter is not None:
+            exporter.stop()
+
+
+async def _run_until_signal(services: list[Service], label: str, host: str,
+                            running: RunningServer, grace_s: float) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -97,7 +115,9 @@ async def serve(services: list[Service], label: str, host: str, port: int,
     waiter = asyncio.ensure_future(stop.wait())
     await asyncio.wait([load, waiter], return_when=asyncio.FIRST_COMPLETED)
     if load.done():
-        load.result()  # re-raise a load failure: the process exits non-zero
+        if load.exception() is not None:
+            await running.server.stop(0)
+            load.result()  # re-raise the load failure: the process exits non-zero
         await running.set_serving(True)
         print(f"tandem {label} serving on {host}:{running.port}", flush=True)
         await waiter

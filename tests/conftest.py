@@ -12,8 +12,6 @@ from tiny import greedy_reference, make_draft_like, make_model, make_tokenizer
 
 from tandem.launch import Stack, start_stack
 
-PROMPTS = ["def fib(n):", "hello world", "x = (a, b)\n", "a"]
-
 
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -19,6 +19,7 @@ from transformers import (
 )
 
 EOS = "<eos>"
+PROMPTS = ["def fib(n):", "hello world", "x = (a, b)\n", "a"]
 DEFAULT_CHARS = "abcdefghijklmnopqrstuvwxyz .,:()=\n"
 
 

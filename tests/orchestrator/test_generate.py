@@ -7,8 +7,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import PROMPTS
-from tiny import greedy_reference, make_model, make_tokenizer
+from tiny import PROMPTS, greedy_reference, make_model, make_tokenizer
 
 from tandem.launch import Stack, start_stack
 from tandem.v1 import orchestrator_pb2

@@ -1,0 +1,113 @@
+"""How many tokens to draft per step (k): fixed, or adaptive from measured costs.
+
+Speculation pays only when the tokens a step yields outweigh what it costs. With
+acceptance rate alpha, a step that drafts k tokens yields, in expectation (Leviathan
+et al. 2023),
+
+    E(k) = (1 - alpha^(k+1)) / (1 - alpha)
+
+tokens and costs k * t_draft + t_verify(k + 1) + t_overhead. The adaptive policy picks
+the k in [0, k_max] that maximises E(k) / cost(k), with alpha from the request's own
+acceptance so far (shrunk towards the deployment's running average) and the costs
+measured on this deployment's replicas. t_verify depends on the block size: on a GPU
+it is nearly flat, on a CPU without wide matrix units it is not, which is why it is
+measured per size instead of assumed. A size not yet measured is assumed to cost what
+one token does (optimism), so it gets tried and then measured.
+
+Whatever k is chosen, the output is exact: the policy changes speed, never tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+POLICIES = ("adaptive", "fixed")
+
+
+@dataclass
+class Ema:
+    """Exponential moving average; `None` until the first sample."""
+
+    weight: float = 0.1
+    value: float | None = None
+
+    def add(self, sample: float) -> None:
+        self.value = sample if self.value is None else self.value + self.weight * (sample - self.value)
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Tokens one step yields in expectation: accepted drafts plus the recovered/bonus token."""
+    if alpha >= 1.0:
+        return float(k + 1)
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+@dataclass
+class CostModel:
+    """Running costs of this deployment, shared by all requests of one orchestrator."""
+
+    draft_ms_per_token: Ema = field(default_factory=Ema)
+    verify_ms: dict[int, Ema] = field(default_factory=dict)  # by block size k + 1
+    overhead_ms: Ema = field(default_factory=Ema)  # per step, outside both forwards
+    alpha: Ema = field(default_factory=lambda: Ema(weight=0.05))
+
+    def verify(self, size: int) -> float | None:
+        known = self.verify_ms.get(size)
+        if known is not None and known.value is not None:
+            return known.value
+        single = self.verify_ms.get(1)
+        return single.value if single is not None else None
+
+    def observe(self, k: int, accepted: int, draft_ms: float, verify_ms: float, step_ms: float,
+                verify_tokens: int) -> None:
+        if k > 0:
+            self.draft_ms_per_token.add(draft_ms / k)
+            self.alpha.add(accepted / k)
+        self.verify_ms.setdefault(verify_tokens, Ema()).add(verify_ms)
+        self.overhead_ms.add(max(0.0, step_ms - draft_ms - verify_ms))
+
+
+@dataclass
+class Speculation:
+    """The policy of one request: `choose()` before each step, `observe()` after it."""
+
+    policy: str
+    max_k: int
+    costs: CostModel
+    prior_weight: float = 8.0  # drafted tokens' worth of trust in the deployment-wide alpha
+    probe_every: int = 16  # after this many steps without drafting, draft one token to re-measure
+    drafted: int = 0
+    accepted: int = 0
+    idle_steps: int = 0
+
+    def alpha(self) -> float:
+        prior = self.costs.alpha.value if self.costs.alpha.value is not None else 0.7
+        return (self.accepted + prior * self.prior_weight) / (self.drafted + self.prior_weight)
+
+    def choose(self, remaining: int) -> int:
+        """k for the next step; never drafts past what can still be committed."""
+        cap = max(0, min(self.max_k, remaining - 1))
+        if self.policy == "fixed" or cap == 0:
+            return cap
+        t_draft = self.costs.draft_ms_per_token.value
+        t_one = self.costs.verify(1)
+        if t_draft is None or t_one is None:
+            return cap  # nothing measured yet: speculate, and learn
+        alpha, overhead = self.alpha(), self.costs.overhead_ms.value or 0.0
+        best_k, best_rate = 0, 0.0
+        for k in range(cap + 1):
+            cost = k * t_draft + (self.costs.verify(k + 1) or t_one) + overhead
+            rate = expected_tokens(alpha, k) / cost
+            if rate > best_rate:
+                best_k, best_rate = k, rate
+        if best_k == 0 and self.idle_steps >= self.probe_every:
+            return 1  # speculation looked unprofitable for a while: check whether it still is
+        return best_k
+
+    def observe(self, k: int, accepted: int, draft_ms: float, verify_ms: float, step_ms: float,
+                verify_tokens: int) -> None:
+        """Record a decode step (not a prefill) of k drafted tokens, verify_tokens scored in one pass."""
+        self.drafted += k
+        self.accepted += accepted
+        self.idle_steps = 0 if k else self.idle_steps + 1
+        self.costs.observe(k, accepted, draft_ms, verify_ms, step_ms, verify_tokens)

