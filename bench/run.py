@@ -59,10 +59,20 @@ class Run:
     target_ms: float = 0.0
     total_ms: float = 0.0
     wire_bytes: int = 0
+    prefill_ms: float = 0.0
 
     @property
     def tok_s(self) -> float:
         return self.tokens / self.wall_s
+
+    @property
+    def decode_tok_s(self) -> float:
+        """Tokens after the first, per second after the first: prefill excluded."""
+        return (self.tokens - 1) / max(1e-9, self.wall_s - self.ttft_s)
+
+    @property
+    def decode_passes(self) -> int:
+        return max(1, self.passes - 1)
 
 
 class FirstTokenTimer:
@@ -143,8 +153,11 @@ def summarize(runs: list[Run], k: int) -> dict[str, Any]:
             if not mine:
                 continue
 
-            def ratio(base: str, mode: str = mode, groups: list[dict[str, Run]] = groups) -> float | None:
-                pairs = [g[mode].tok_s / g[base].tok_s for g in groups if mode in g and base in g]
+            def ratio(base: str, mode: str = mode, groups: list[dict[str, Run]] = groups,
+                      decode: bool = False) -> float | None:
+                pairs = [(g[mode].decode_tok_s / g[base].decode_tok_s) if decode
+                         else (g[mode].tok_s / g[base].tok_s)
+                         for g in groups if mode in g and base in g]
                 return statistics.median(pairs) if pairs else None
 
             row: dict[str, Any] = {
@@ -154,17 +167,23 @@ def summarize(runs: list[Run], k: int) -> dict[str, Any]:
                 "speedup_vs_hf_assisted": ratio("hf-assisted"),
                 "speedup_vs_hf_assisted_cheap": ratio("hf-assisted-cheap"),
                 "speedup_vs_tandem_k0": ratio("tandem-k0"),
+                "decode_tok_s": statistics.median(r.decode_tok_s for r in mine),
+                "decode_speedup_vs_hf_target": ratio("hf-target", decode=True),
+                "decode_speedup_vs_hf_assisted": ratio("hf-assisted", decode=True),
+                "decode_speedup_vs_tandem_k0": ratio("tandem-k0", decode=True),
             }
             if mode in TANDEM_MODES:
                 drafted, accepted = sum(r.drafted for r in mine), sum(r.accepted for r in mine)
-                passes = sum(r.passes for r in mine)
+                passes = sum(r.decode_passes for r in mine)
                 row["bytes_per_token"] = statistics.median(r.wire_bytes / r.tokens for r in mine)
-                row["mean_tokens_per_target_pass"] = sum(r.tokens for r in mine) / passes
+                # Decode steps only: the first step prefills both models and is reported as TTFT.
+                row["mean_tokens_per_target_pass"] = sum(r.tokens - 1 for r in mine) / passes
                 step = {
-                    "draft_ms": statistics.median(r.draft_ms / r.passes for r in mine),
-                    "verify_ms": statistics.median(r.target_ms / r.passes for r in mine),
-                    "other_ms": statistics.median((r.total_ms - r.draft_ms - r.target_ms) / r.passes
-                                                  for r in mine),
+                    "draft_ms": statistics.median(r.draft_ms / r.decode_passes for r in mine),
+                    "verify_ms": statistics.median(r.target_ms / r.decode_passes for r in mine),
+                    "other_ms": statistics.median(
+                        (r.total_ms - r.prefill_ms - r.draft_ms - r.target_ms) / r.decode_passes
+                        for r in mine),
                 }
                 row["per_step"] = step
                 if drafted:
@@ -172,7 +191,7 @@ def summarize(runs: list[Run], k: int) -> dict[str, Any]:
                     c = (sum(r.draft_ms for r in mine) / drafted) / (sum(r.target_ms for r in mine) / passes)
                     bound = leviathan_bound(alpha, k, c)
                     row.update(alpha=alpha, c=c, leviathan_bound=bound)
-                    achieved = row["speedup_vs_tandem_k0"]
+                    achieved = row["decode_speedup_vs_tandem_k0"]
                     row["fraction_of_bound"] = achieved / bound if achieved else None
             table[mode] = row
         out[setting] = table
@@ -201,15 +220,18 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
     for setting, table in summary.items():
         lines += [f"## {setting}", "",
                   ("| mode | tok/s | ×hf-target | ×hf-assisted | ×hf-assisted-cheap | ×tandem-k0 | TTFT s "
+                   "| decode tok/s | decode ×hf-target | decode ×hf-assisted | decode ×tandem-k0 "
                    "| α | tokens/pass | c | bound | achieved/bound | draft ms/step | verify ms/step "
                    "| other ms/step | bytes/token |"),
-                  "|" + "---|" * 16]
+                  "|" + "---|" * 20]
         for mode, r in table.items():
             step = r.get("per_step", {})
             lines.append(
                 f"| {mode} | {f(r['tok_s'])} | {f(r['speedup_vs_hf_target'])} | "
                 f"{f(r['speedup_vs_hf_assisted'])} | {f(r['speedup_vs_hf_assisted_cheap'])} | "
-                f"{f(r['speedup_vs_tandem_k0'])} | {f(r['ttft_s'])} | {f(r.get('alpha'))} | "
+                f"{f(r['speedup_vs_tandem_k0'])} | {f(r['ttft_s'])} | {f(r['decode_tok_s'])} | "
+                f"{f(r['decode_speedup_vs_hf_target'])} | {f(r['decode_speedup_vs_hf_assisted'])} | "
+                f"{f(r['decode_speedup_vs_tandem_k0'])} | {f(r.get('alpha'))} | "
                 f"{f(r.get('mean_tokens_per_target_pass'))} | {f(r.get('c'))} | "
                 f"{f(r.get('leviathan_bound'))} | {f(r.get('fraction_of_bound'))} | "
                 f"{f(step.get('draft_ms'), '{:.1f}')} | {f(step.get('verify_ms'), '{:.1f}')} | "
@@ -374,7 +396,7 @@ def _one(mode: str, hf: dict[str, Any], clients: dict[str, Any], ids: list[int],
     tokens, wall, ttft, usage = tandem_run(client, ids, setting, n, seed, 0 if mode == "tandem-k0" else k)
     return Run(mode, setting.name, name, kind, len(tokens), wall, ttft, tokens, usage.drafted_tokens,
                usage.accepted_tokens, usage.target_forward_passes, usage.draft_ms, usage.target_ms,
-               usage.total_ms, usage.wire_bytes)
+               usage.total_ms, usage.wire_bytes, usage.prefill_ms)
 
 
 if __name__ == "__main__":

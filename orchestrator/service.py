@@ -337,7 +337,7 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
             prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
             drafted_tokens=usage.drafted_tokens, accepted_tokens=usage.accepted_tokens,
             target_forward_passes=usage.target_forward_passes, wire_bytes=wire_bytes,
-            draft_ms=usage.draft_ms, target_ms=usage.target_ms,
+            draft_ms=usage.draft_ms, target_ms=usage.target_ms, prefill_ms=usage.prefill_ms,
             total_ms=(time.perf_counter() - started) * 1000.0)
 
     @handle_errors

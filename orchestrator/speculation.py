@@ -41,8 +41,9 @@ class Usage:
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     target_forward_passes: int = 0
-    draft_ms: float = 0.0
-    target_ms: float = 0.0
+    draft_ms: float = 0.0  # decode steps only
+    target_ms: float = 0.0  # decode steps only
+    prefill_ms: float = 0.0  # wall time of the first step
 
 
 @dataclass(frozen=True)
@@ -86,10 +87,14 @@ async def speculate(gen: Generation, draft: DraftSession | None, target: TargetS
             assert draft is not None
             draft.advance(block.cache_length, len(history) + accepted)
         target.advance(scores.cache_length, len(history) + accepted)
-        if not prefill:
-            policy.observe(k, accepted, block.compute_ms, scores.compute_ms,
-                           (time.perf_counter() - started) * 1000.0,
+        step_ms = (time.perf_counter() - started) * 1000.0
+        if prefill:
+            usage.prefill_ms += step_ms
+        else:
+            policy.observe(k, accepted, block.compute_ms, scores.compute_ms, step_ms,
                            len(history) - target_synced + len(block.token_ids))
+            usage.draft_ms += block.compute_ms
+            usage.target_ms += scores.compute_ms
 
         eos_at = next((i for i, t in enumerate(new) if t in gen.eos_token_ids), None)
         new = new[: remaining if eos_at is None else min(eos_at + 1, remaining)]
@@ -98,8 +103,6 @@ async def speculate(gen: Generation, draft: DraftSession | None, target: TargetS
         usage.drafted_tokens += len(block.token_ids)
         usage.accepted_tokens += accepted
         usage.target_forward_passes += 1
-        usage.draft_ms += block.compute_ms
-        usage.target_ms += scores.compute_ms
         yield Step(new, finished_by_eos=eos_at is not None and eos_at < len(new))
         if eos_at is not None and eos_at < len(new):
             return

@@ -105,6 +105,7 @@ def _generate(args: argparse.Namespace) -> None:
                 "drafted_tokens": usage.drafted_tokens, "accepted_tokens": usage.accepted_tokens,
                 "target_forward_passes": usage.target_forward_passes, "wire_bytes": usage.wire_bytes,
                 "draft_ms": round(usage.draft_ms, 3), "target_ms": round(usage.target_ms, 3),
+                "prefill_ms": round(usage.prefill_ms, 3),
                 "total_ms": round(usage.total_ms, 3),
             },
         }))
