@@ -65,15 +65,15 @@ async def speculate(gen: Generation, draft: DraftSession | None, target: TargetS
         started = time.perf_counter()
         prefill, target_synced = target.synced == 0, target.synced
         k = policy.choose(remaining)
-        if draft is None or k == 0:
-            block = EMPTY_BLOCK
-            scores = await target.score(history, block, gen.sampling, target_seed)
-        elif draft.synced == 0:
-            # Prefill both caches at once; the target alone yields the first token (TTFT).
+        if prefill and draft is not None and k > 0:
+            # Prefill both caches at once; the target alone yields the first token (TTFT). A
+            # draft the policy does not mean to use is not prefilled: it catches up when used.
             block, scores = await asyncio.gather(
                 draft.propose(history, 0, gen.sampling, gen.max_support_size, draft_seed),
                 target.score(history, EMPTY_BLOCK, gen.sampling, target_seed))
-            k = 0
+        elif draft is None or k == 0:
+            block = EMPTY_BLOCK
+            scores = await target.score(history, block, gen.sampling, target_seed)
         else:
             block = await draft.propose(history, k, gen.sampling, gen.max_support_size, draft_seed)
             scores = await target.score(history, block, gen.sampling, target_seed)
