@@ -8,7 +8,7 @@ import grpc
 
 from draft_service.proposer import propose_block
 from tandem.errors import InvalidRequest
-from tandem.model_service import ModelHost, sampling_from, step_from, timed
+from tandem.model_service import ModelServicer, sampling_from, step_from, timed
 from tandem.server import handle_errors
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
@@ -17,17 +17,11 @@ MAX_SPECULATIVE_TOKENS = 64
 MAX_SUPPORT_SIZE = 1024
 
 
-class DraftService(draft_pb2_grpc.DraftServiceServicer):
+class DraftService(ModelServicer, draft_pb2_grpc.DraftServiceServicer):
     name = "tandem.v1.DraftService"
-
-    def __init__(self, host: ModelHost) -> None:
-        self.host = host
 
     def add_to(self, server: grpc.aio.Server) -> None:
         draft_pb2_grpc.add_DraftServiceServicer_to_server(self, server)
-
-    def load(self) -> None:
-        self.host.load()
 
     @handle_errors
     async def ProposeBlocks(
@@ -53,10 +47,3 @@ class DraftService(draft_pb2_grpc.DraftServiceServicer):
                 cache_length=block.cache_length,
                 compute_ms=ms,
             )
-
-    @handle_errors
-    async def GetModelInfo(
-        self, request: common_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
-    ) -> common_pb2.GetModelInfoResponse:
-        self.host.ready_model()
-        return common_pb2.GetModelInfoResponse(info=self.host.info)

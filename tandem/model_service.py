@@ -25,6 +25,7 @@ from tandem.errors import InvalidRequest, Unavailable
 from tandem.kv import KVSession, SessionTable
 from tandem.metrics import ReplicaMetrics
 from tandem.sampling import SamplingParams, validate
+from tandem.server import handle_errors
 from tandem.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -145,3 +146,22 @@ def timed(fn: Callable[..., R], *args: Any) -> tuple[R, float]:
     started = time.perf_counter()
     result = fn(*args)
     return result, (time.perf_counter() - started) * 1000.0
+
+
+class ModelServicer:
+    """What the draft and target servicers share: the host, start-up, and GetModelInfo."""
+
+    name: str
+
+    def __init__(self, host: ModelHost) -> None:
+        self.host = host
+
+    def load(self) -> None:
+        self.host.load()
+
+    @handle_errors
+    async def GetModelInfo(
+        self, request: common_pb2.GetModelInfoRequest, context: Any
+    ) -> common_pb2.GetModelInfoResponse:
+        self.host.ready_model()
+        return common_pb2.GetModelInfoResponse(info=self.host.info)

@@ -10,9 +10,9 @@ import grpc
 from tandem import sampling
 from tandem.errors import InvalidRequest
 from tandem.kv import KVSession
-from tandem.model_service import ModelHost, sampling_from, step_from, timed
+from tandem.model_service import ModelServicer, sampling_from, step_from, timed
 from tandem.server import handle_errors
-from tandem.v1 import common_pb2, target_pb2, target_pb2_grpc
+from tandem.v1 import target_pb2, target_pb2_grpc
 from target_service.scorer import score_block
 
 MAX_BLOCK_TOKENS = 64
@@ -42,17 +42,11 @@ def draft_from(request: target_pb2.ScoreBlocksRequest, session: KVSession
     return ids, dists
 
 
-class TargetService(target_pb2_grpc.TargetServiceServicer):
+class TargetService(ModelServicer, target_pb2_grpc.TargetServiceServicer):
     name = "tandem.v1.TargetService"
-
-    def __init__(self, host: ModelHost) -> None:
-        self.host = host
 
     def add_to(self, server: grpc.aio.Server) -> None:
         target_pb2_grpc.add_TargetServiceServicer_to_server(self, server)
-
-    def load(self) -> None:
-        self.host.load()
 
     @handle_errors
     async def ScoreBlocks(
@@ -73,10 +67,3 @@ class TargetService(target_pb2_grpc.TargetServiceServicer):
                 cache_length=result.cache_length,
                 compute_ms=ms,
             )
-
-    @handle_errors
-    async def GetModelInfo(
-        self, request: common_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
-    ) -> common_pb2.GetModelInfoResponse:
-        self.host.ready_model()
-        return common_pb2.GetModelInfoResponse(info=self.host.info)
