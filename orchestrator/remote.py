@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 
 from tandem import sampling
-from tandem.errors import Unavailable
+from tandem.errors import DeadlineExceeded, Unavailable
 from tandem.server import CHANNEL_OPTIONS
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
@@ -158,11 +158,19 @@ class RemoteSession:
     async def _step(self, method: str, request: Any) -> Any:
         call = self._open(method)
         self.wire_bytes += request.ByteSize()
-        await call.write(request)
-        response = await call.read()
+        where = self.replica.address if self.replica else "?"
+        try:
+            await call.write(request)
+            response = await call.read()
+        except grpc.aio.AioRpcError as exc:
+            # Callers see what went wrong downstream, never a bare UNKNOWN.
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise DeadlineExceeded("the request's deadline passed while generating") from exc
+            raise Unavailable(f"{method} on replica {where} failed: {exc.code().name}: "
+                              f"{exc.details()}") from exc
         if response is grpc.aio.EOF:
             # The server ended the stream without a status: treat as a lost replica.
-            raise Unavailable(f"{self.replica.address if self.replica else '?'} closed the session")
+            raise Unavailable(f"replica {where} closed the session")
         self.wire_bytes += response.ByteSize()
         return response
 

@@ -29,6 +29,12 @@ class ResourceExhausted(TandemError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+class DeadlineExceeded(TandemError):
+    """The caller's deadline passed before the request could finish."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
 class Unavailable(TandemError):
     """The service cannot serve now (still loading, draining, or no replica left)."""
 

@@ -191,3 +191,27 @@ def test_mismatched_tokenizers_are_refused(tiny_dir: Path, tiny_target: Path) ->
     other = make_model(tiny_dir / "other-vocab", seed=4, chars="0123456789+-*/ ")
     with pytest.raises(RuntimeError, match="does not share a tokenizer"):
         start_stack(str(other), str(tiny_target))
+
+
+# --- A lost replica: a clear UNAVAILABLE naming it, never UNKNOWN ---
+
+def test_lost_target_replica_gives_unavailable(tiny_draft: Path, tiny_target: Path) -> None:
+    stack = start_stack(str(tiny_draft), str(tiny_target))
+    try:
+        target = stack.targets[0]
+        target.proc.kill()
+        target.proc.wait()
+        with stack.client() as client, pytest.raises(grpc.RpcError) as err:
+            client.generate(PROMPTS[0], max_new_tokens=8)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert target.address in err.value.details()
+    finally:
+        stack.stop()
+
+
+def test_client_deadline_gives_deadline_exceeded(tiny_stack: Stack) -> None:
+    with tiny_stack.client() as client:
+        with pytest.raises(grpc.RpcError) as err:
+            client.generate(PROMPTS[0], max_new_tokens=400, ignore_eos=True, timeout=0.3)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert client.generate(PROMPTS[0], max_new_tokens=3).usage.completion_tokens == 3
