@@ -11,7 +11,6 @@ import contextlib
 import os
 import re
 import signal
-import threading
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator
@@ -19,6 +18,7 @@ from dataclasses import dataclass
 
 import grpc
 import pytest
+from fakes import SlowService
 from prometheus_client import REGISTRY
 
 from tandem import metrics, server
@@ -121,19 +121,6 @@ def test_a_session_stream_keeps_sessions_queue_depth_and_kv_use() -> None:
         assert value("tandem_replica_step_duration_seconds_count", model=model) == 3
 
     asyncio.run(scenario())
-
-
-class SlowService:
-    name = "tandem.v1.TestService"
-
-    def __init__(self) -> None:
-        self.release = threading.Event()
-
-    def add_to(self, grpc_server: grpc.aio.Server) -> None:
-        pass
-
-    def load(self) -> None:
-        self.release.wait(timeout=30)
 
 
 def _scrape(url: str) -> str:

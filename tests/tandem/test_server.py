@@ -5,25 +5,12 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import threading
 
 import grpc
+from fakes import SlowService
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem import server
-
-
-class SlowService:
-    name = "tandem.v1.TestService"
-
-    def __init__(self) -> None:
-        self.release = threading.Event()
-
-    def add_to(self, grpc_server: grpc.aio.Server) -> None:
-        pass
-
-    def load(self) -> None:
-        self.release.wait(timeout=30)
 
 
 async def _status(address: str) -> int:
