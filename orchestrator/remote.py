@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import grpc
 
@@ -205,18 +205,26 @@ class TargetScores:
     scored: sampling.ScoredBlock
     cache_length: int
     compute_ms: float
+    committed_token_ids: tuple[int, ...] = ()  # set when the target ran its own proposer
+    proposed_count: int = 0
 
 
+@dataclass
 class TargetSession(RemoteSession):
+    # A proposer the target runs itself (common_pb2.PROPOSER_LOOKAHEAD, _MEDUSA); 0: none.
+    proposer: int = 0
+
     async def score(self, history: list[int], block: DraftBlock,
                     params: sampling.SamplingParams, seed: int) -> TargetScores:
         response = await self._step("ScoreBlocks", target_pb2.ScoreBlocksRequest(
             session_id=self.session_id, cache_position=self.synced,
             new_token_ids=history[self.synced:], draft_token_ids=block.token_ids,
-            draft_distributions=block.distributions, sampling=_sampling_proto(params), seed=seed))
+            draft_distributions=block.distributions, sampling=_sampling_proto(params), seed=seed,
+            target_proposer=cast(common_pb2.Proposer, self.proposer)))
         scored = sampling.ScoredBlock(tuple(response.target_probs),
                                       tuple(response.recovered_token_ids), response.bonus_token_id)
-        return TargetScores(scored, response.cache_length, response.compute_ms)
+        return TargetScores(scored, response.cache_length, response.compute_ms,
+                            tuple(response.committed_token_ids), response.proposed_token_count)
 
 
 async def fetch_model_info(address: str, stub_class: type, wait_s: float) -> common_pb2.ModelInfo:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import functools
 import logging
@@ -12,11 +13,12 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias, cast
 
 import grpc
 
 from orchestrator.policy import POLICIES, CostModel
+from orchestrator.proposers import DraftModelProposer, PromptLookupProposer, Proposer
 from orchestrator.remote import (
     DRAFT_STUB,
     TARGET_STUB,
@@ -76,6 +78,10 @@ class OrchestratorConfig:
                                      "always k. A request that sets num_speculative_tokens gets fixed k")
     max_speculative_tokens: int = option(16, "largest k a request may ask for")
     max_support_size: int = option(8, "K: support of each draft distribution sent over the wire")
+    proposer: str = option("", "default proposer: draft-model, prompt-lookup, lookahead, medusa or "
+                           "none (empty: draft-model when draft replicas are configured, else none)")
+    prompt_lookup_min_ngram: int = option(2, "prompt lookup: shortest n-gram matched in the history")
+    prompt_lookup_max_ngram: int = option(3, "prompt lookup: longest n-gram matched (tried first)")
     max_new_tokens_cap: int = option(4096, "largest max_new_tokens a request may ask for")
     default_max_new_tokens: int = option(256, "max_new_tokens when a request leaves it unset")
     replica_wait_s: float = option(600.0, "how long start-up waits for replicas to be SERVING")
@@ -83,6 +89,20 @@ class OrchestratorConfig:
     metrics_port: int = option(-1, "port for Prometheus metrics over HTTP (0 picks a free one; "
                                "-1: none)")
     log_level: str = option("INFO", "logging level")
+
+
+def proposer_kind(name: str) -> int:
+    """common_pb2.Proposer from a flag value such as "prompt-lookup"."""
+    try:
+        kind: int = common_pb2.Proposer.Value("PROPOSER_" + name.upper().replace("-", "_"))
+    except ValueError:
+        raise ValueError(f"unknown proposer {name!r}; choose one of {', '.join(PROPOSER_NAMES)}") from None
+    if kind == common_pb2.PROPOSER_UNSPECIFIED:
+        raise ValueError(f"unknown proposer {name!r}; choose one of {', '.join(PROPOSER_NAMES)}")
+    return kind
+
+
+PROPOSER_NAMES = ("none", "draft-model", "prompt-lookup", "lookahead", "medusa")
 
 
 def _addresses(spec: str) -> list[str]:
@@ -139,7 +159,11 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         self.targets: ReplicaPool | None = None
         if config.speculation_policy not in POLICIES:
             raise ValueError(f"--speculation-policy must be one of {POLICIES}")
-        self.costs = CostModel()
+        # Costs and acceptance differ per proposer, so each learns its own.
+        self.costs: dict[int, CostModel] = collections.defaultdict(CostModel)
+        self.default_proposer = proposer_kind(config.proposer) if config.proposer else (
+            common_pb2.PROPOSER_DRAFT_MODEL if _addresses(config.draft) or config.draft_service_name
+            else common_pb2.PROPOSER_NONE)
         self._kube: Any = None  # the DiscoveryV1Api client, when discovering replicas
         self._namespace = config.namespace
         self._discoveries: list[discovery.ServiceDiscovery] = []
@@ -228,19 +252,23 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         if problem:
             raise ReplicaRejected(problem)
 
-    def _draft_session(self, drafts: ReplicaPool | None, session_id: str,
-                       timeout: float | None) -> DraftSession | None:
-        """A session on a draft replica, or None to decode with the target alone.
+    def _orchestrator_proposer(self, kind: int, drafts: ReplicaPool | None, session_id: str,
+                               timeout: float | None) -> Proposer | None:
+        """The proposer run here for `kind`, or None when the target decodes (or proposes) alone.
 
         With discovery, every draft replica can be gone or draining at once (a rollout, the
         drain of the only one's node). Decoding without a draft is just as exact, only slower,
         so requests go on without one: counted, and logged when it starts.
         """
-        if drafts is None:
+        if kind == common_pb2.PROPOSER_PROMPT_LOOKUP:
+            return PromptLookupProposer(self.config.prompt_lookup_min_ngram,
+                                        self.config.prompt_lookup_max_ngram)
+        if kind != common_pb2.PROPOSER_DRAFT_MODEL or drafts is None:
             return None
         if drafts.ready:
             self._draftless = False
-            return DraftSession(drafts, session_id, timeout)
+            return DraftModelProposer(DraftSession(drafts, session_id, timeout),
+                                      self.config.max_support_size)
         if not self._draftless:
             log.warning("no draft replica is ready: decoding with the target alone until one is")
             self._draftless = True
@@ -284,14 +312,30 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         if not 0 <= k <= cfg.max_speculative_tokens:
             raise InvalidRequest(
                 f"num_speculative_tokens must be in [0, {cfg.max_speculative_tokens}], got {k}")
+        proposer = self._proposer(request.proposer, k)
         stops = tuple(request.stop_strings)
         if len(stops) > MAX_STOP_STRINGS or any(not 0 < len(s) <= MAX_STOP_STRING_CHARS for s in stops):
             raise InvalidRequest(
                 f"stop_strings: at most {MAX_STOP_STRINGS}, each 1..{MAX_STOP_STRING_CHARS} characters")
         seed = request.seed if request.HasField("seed") else int.from_bytes(os.urandom(8), "little") >> 2
         eos = frozenset() if request.ignore_eos else frozenset(info.eos_token_ids)
-        return Generation(tuple(prompt), max_new, params, seed, k, policy, self.config.max_support_size,
-                          eos), stops
+        return Generation(tuple(prompt), max_new, params, seed, k, policy, proposer, eos), stops
+
+    def _proposer(self, requested: int, k: int) -> int:
+        """The proposer a request runs with: its own choice, else the deployment's; k=0 means none."""
+        assert self.target_info is not None
+        kind = requested or self.default_proposer
+        offered = {common_pb2.PROPOSER_NONE, common_pb2.PROPOSER_PROMPT_LOOKUP,
+                   *self.target_info.proposers}
+        if self.config.draft or self.config.draft_service_name:
+            offered.add(common_pb2.PROPOSER_DRAFT_MODEL)
+        if kind not in offered:
+            names = ", ".join(common_pb2.Proposer.Name(p) for p in sorted(offered))
+            what = (common_pb2.Proposer.Name(kind) if kind in common_pb2.Proposer.values()
+                    else f"value {kind}")
+            raise InvalidRequest(f"proposer {what} is not offered by this deployment; "
+                                 f"choose one of: {names}")
+        return common_pb2.PROPOSER_NONE if k == 0 else kind
 
     async def _run(self, request: Any, context: grpc.aio.ServicerContext
                    ) -> AsyncIterator[tuple[list[int], str, FinishReason, Usage, int]]:
@@ -301,13 +345,17 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         remaining = context.time_remaining()
         timeout = remaining if remaining is not None and math.isfinite(remaining) else None
         session_id = uuid.uuid4().hex
-        target = TargetSession(targets, session_id, timeout)
-        draft = self._draft_session(drafts, session_id, timeout) if gen.num_speculative_tokens else None
+        proposer = self._orchestrator_proposer(gen.proposer, drafts, session_id, timeout)
+        target_proposer = (gen.proposer if gen.proposer in (common_pb2.PROPOSER_LOOKAHEAD,
+                                                            common_pb2.PROPOSER_MEDUSA) else 0)
+        target = TargetSession(targets, session_id, timeout, proposer=target_proposer)
         text = TextStream(self.tokenizer, stops)
         usage = Usage()
         reason: FinishReason = orchestrator_pb2.FINISH_REASON_LENGTH
+        usage.proposer = proposer.kind if proposer else target_proposer or common_pb2.PROPOSER_NONE
+        costs = self.costs[usage.proposer]
         try:
-            async for step in _observed_steps(speculate(gen, draft, target, usage, self.costs), usage):
+            async for step in _observed_steps(speculate(gen, proposer, target, usage, costs), usage):
                 kept = []
                 for token in step.token_ids:
                     kept.append(token)
@@ -319,17 +367,17 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
                     reason = orchestrator_pb2.FINISH_REASON_STOP_STRING
                 elif step.finished_by_eos:
                     reason = orchestrator_pb2.FINISH_REASON_EOS
-                wire = target.wire_bytes + (draft.wire_bytes if draft else 0)
+                wire = target.wire_bytes + (proposer.wire_bytes if proposer else 0)
                 yield kept, text.take(), orchestrator_pb2.FINISH_REASON_UNSPECIFIED, usage, wire
                 if text.stopped:
                     break
-            wire = target.wire_bytes + (draft.wire_bytes if draft else 0)
+            wire = target.wire_bytes + (proposer.wire_bytes if proposer else 0)
             yield [], text.take(final=True), reason, usage, wire
         finally:
             metrics.observe_tokens(prompt=usage.prompt_tokens, completion=usage.completion_tokens)
             await target.close()
-            if draft is not None:
-                await draft.close()
+            if proposer is not None:
+                await proposer.close()
 
     @staticmethod
     def _usage(usage: Usage, wire_bytes: int, started: float) -> orchestrator_pb2.Usage:
@@ -338,6 +386,7 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
             drafted_tokens=usage.drafted_tokens, accepted_tokens=usage.accepted_tokens,
             target_forward_passes=usage.target_forward_passes, wire_bytes=wire_bytes,
             draft_ms=usage.draft_ms, target_ms=usage.target_ms, prefill_ms=usage.prefill_ms,
+            proposer=cast(common_pb2.Proposer, usage.proposer),
             total_ms=(time.perf_counter() - started) * 1000.0)
 
     @handle_errors

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from orchestrator.policy import CostModel, Speculation
-from orchestrator.remote import EMPTY_BLOCK, DraftSession, TargetSession
+from orchestrator.proposers import Proposer
+from orchestrator.remote import EMPTY_BLOCK, TargetSession
 from tandem import sampling
 
 
@@ -30,7 +31,7 @@ class Generation:
     seed: int
     num_speculative_tokens: int  # k (the most k, under the adaptive policy); 0: plain decoding
     policy: str  # "fixed" or "adaptive" (see orchestrator/policy.py)
-    max_support_size: int  # K: support of each draft distribution on the wire
+    proposer: int  # common_pb2.Proposer, resolved (never UNSPECIFIED)
     eos_token_ids: frozenset[int]  # empty when the request ignores EOS
 
 
@@ -44,6 +45,7 @@ class Usage:
     draft_ms: float = 0.0  # decode steps only
     target_ms: float = 0.0  # decode steps only
     prefill_ms: float = 0.0  # wall time of the first step
+    proposer: int = 0  # common_pb2.Proposer the request ran with
 
 
 @dataclass(frozen=True)
@@ -52,12 +54,16 @@ class Step:
     finished_by_eos: bool
 
 
-async def speculate(gen: Generation, draft: DraftSession | None, target: TargetSession,
+async def speculate(gen: Generation, proposer: Proposer | None, target: TargetSession,
                     usage: Usage, costs: CostModel) -> AsyncIterator[Step]:
-    """Yield the tokens committed by each step until max_new_tokens or EOS."""
+    """Yield the tokens committed by each step until max_new_tokens or EOS.
+
+    `proposer` drafts blocks here (a draft model, prompt lookup); with None the target
+    decodes alone, or proposes and verifies a tree itself when `target.proposer` is set.
+    """
     history = list(gen.prompt_token_ids)
     rng = torch.Generator().manual_seed(gen.seed)
-    policy = Speculation(gen.policy, gen.num_speculative_tokens if draft else 0, costs)
+    policy = Speculation(gen.policy, gen.num_speculative_tokens if proposer else 0, costs)
     usage.prompt_tokens = len(history)
     while usage.completion_tokens < gen.max_new_tokens:
         remaining = gen.max_new_tokens - usage.completion_tokens
@@ -65,34 +71,36 @@ async def speculate(gen: Generation, draft: DraftSession | None, target: TargetS
         started = time.perf_counter()
         prefill, target_synced = target.synced == 0, target.synced
         k = policy.choose(remaining)
-        if prefill and draft is not None and k > 0:
-            # Prefill both caches at once; the target alone yields the first token (TTFT). A
-            # draft the policy does not mean to use is not prefilled: it catches up when used.
-            block, scores = await asyncio.gather(
-                draft.propose(history, 0, gen.sampling, gen.max_support_size, draft_seed),
-                target.score(history, EMPTY_BLOCK, gen.sampling, target_seed))
-        elif draft is None or k == 0:
+        if proposer is None or k == 0:
+            # A draft the policy does not mean to use is not prefilled: it catches up when used.
             block = EMPTY_BLOCK
             scores = await target.score(history, block, gen.sampling, target_seed)
+        elif prefill:
+            # Prefill both caches at once; the target alone yields the first token (TTFT).
+            block, scores = await asyncio.gather(
+                proposer.get_candidates(history, 0, gen.sampling, draft_seed),
+                target.score(history, EMPTY_BLOCK, gen.sampling, target_seed))
         else:
-            block = await draft.propose(history, k, gen.sampling, gen.max_support_size, draft_seed)
+            block = await proposer.get_candidates(history, k, gen.sampling, draft_seed)
             scores = await target.score(history, block, gen.sampling, target_seed)
 
-        uniforms = torch.rand(len(block.token_ids), generator=rng, dtype=torch.float64).tolist()
-        accepted = sampling.num_accepted(scores.scored.target_probs, block.draft_probs, uniforms)
-        new = sampling.commit(block.token_ids, scores.scored, accepted)
+        if scores.committed_token_ids:  # the target proposed and verified a tree itself
+            new, drafted = list(scores.committed_token_ids), scores.proposed_count
+            accepted = len(new) - 1
+        else:
+            uniforms = torch.rand(len(block.token_ids), generator=rng, dtype=torch.float64).tolist()
+            accepted = sampling.num_accepted(scores.scored.target_probs, block.draft_probs, uniforms)
+            new, drafted = sampling.commit(block.token_ids, scores.scored, accepted), len(block.token_ids)
 
-        # Of what each cache now holds, only the prefix that became history stays valid.
-        if block is not EMPTY_BLOCK:
-            assert draft is not None
-            draft.advance(block.cache_length, len(history) + accepted)
+        if proposer is not None:
+            proposer.update_candidate_strategy(block, accepted, len(history))
         target.advance(scores.cache_length, len(history) + accepted)
         step_ms = (time.perf_counter() - started) * 1000.0
         if prefill:
             usage.prefill_ms += step_ms
         else:
-            policy.observe(k, accepted, block.compute_ms, scores.compute_ms, step_ms,
-                           len(history) - target_synced + len(block.token_ids))
+            policy.observe(len(block.token_ids), accepted, block.compute_ms, scores.compute_ms,
+                           step_ms, len(history) - target_synced + len(block.token_ids))
             usage.draft_ms += block.compute_ms
             usage.target_ms += scores.compute_ms
 
@@ -100,7 +108,7 @@ async def speculate(gen: Generation, draft: DraftSession | None, target: TargetS
         new = new[: remaining if eos_at is None else min(eos_at + 1, remaining)]
         history += new
         usage.completion_tokens += len(new)
-        usage.drafted_tokens += len(block.token_ids)
+        usage.drafted_tokens += drafted
         usage.accepted_tokens += accepted
         usage.target_forward_passes += 1
         yield Step(new, finished_by_eos=eos_at is not None and eos_at < len(new))

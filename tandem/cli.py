@@ -77,14 +77,14 @@ def _up(args: argparse.Namespace) -> None:
 
 def _generate(args: argparse.Namespace) -> None:
     from tandem.client import TandemClient
-    from tandem.v1 import orchestrator_pb2
+    from tandem.v1 import common_pb2, orchestrator_pb2
 
     with TandemClient(args.address) as client:
         stream = client.generate_stream(
             args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
             top_p=args.top_p, top_k=args.top_k, seed=args.seed,
             num_speculative_tokens=args.num_speculative_tokens, stop=args.stop or None,
-            ignore_eos=args.ignore_eos)
+            ignore_eos=args.ignore_eos, proposer=args.proposer)
         text, token_ids, summary = [], [], None
         for message in stream:
             if message.HasField("delta"):
@@ -107,6 +107,7 @@ def _generate(args: argparse.Namespace) -> None:
                 "draft_ms": round(usage.draft_ms, 3), "target_ms": round(usage.target_ms, 3),
                 "prefill_ms": round(usage.prefill_ms, 3),
                 "total_ms": round(usage.total_ms, 3),
+                "proposer": common_pb2.Proposer.Name(usage.proposer),
             },
         }))
     else:
@@ -156,6 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--num-speculative-tokens", type=int, default=None,
                      help="draft block length k; 0 is plain target decoding (default: the server's)")
+    gen.add_argument("--proposer", default=None,
+                     help="draft-model, prompt-lookup, lookahead, medusa or none (default: the server's)")
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--json", action="store_true", help="print one JSON object at the end")

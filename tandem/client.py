@@ -30,7 +30,7 @@ class TandemClient:
     @staticmethod
     def _fields(prompt: str | list[int], max_new_tokens: int, temperature: float, top_p: float,
                 top_k: int, seed: int | None, num_speculative_tokens: int | None,
-                stop: list[str] | None, ignore_eos: bool) -> dict[str, Any]:
+                stop: list[str] | None, ignore_eos: bool, proposer: str | None) -> dict[str, Any]:
         fields: dict[str, Any] = {
             "max_new_tokens": max_new_tokens,
             "sampling": common_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k),
@@ -45,27 +45,30 @@ class TandemClient:
             fields["seed"] = seed
         if num_speculative_tokens is not None:
             fields["num_speculative_tokens"] = num_speculative_tokens
+        if proposer:
+            # "prompt-lookup" -> PROPOSER_PROMPT_LOOKUP
+            fields["proposer"] = "PROPOSER_" + proposer.upper().replace("-", "_")
         return fields
 
     def generate_stream(self, prompt: str | list[int], *, max_new_tokens: int = 256,
                         temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                         seed: int | None = None, num_speculative_tokens: int | None = None,
                         stop: list[str] | None = None, ignore_eos: bool = False,
-                        timeout: float | None = None) -> Iterator[orchestrator_pb2.GenerateResponse]:
+                        proposer: str | None = None, timeout: float | None = None) -> Iterator[orchestrator_pb2.GenerateResponse]:
         """Stream deltas, then one summary message."""
         request = orchestrator_pb2.GenerateRequest(**self._fields(
             prompt, max_new_tokens, temperature, top_p, top_k, seed, num_speculative_tokens, stop,
-            ignore_eos))
+            ignore_eos, proposer))
         yield from self._stub.Generate(request, timeout=timeout)
 
     def generate(self, prompt: str | list[int], *, max_new_tokens: int = 256,
                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                  seed: int | None = None, num_speculative_tokens: int | None = None,
                  stop: list[str] | None = None, ignore_eos: bool = False,
-                 timeout: float | None = None) -> orchestrator_pb2.GenerateUnaryResponse:
+                 proposer: str | None = None, timeout: float | None = None) -> orchestrator_pb2.GenerateUnaryResponse:
         """The whole generation in one reply."""
         request = orchestrator_pb2.GenerateUnaryRequest(**self._fields(
             prompt, max_new_tokens, temperature, top_p, top_k, seed, num_speculative_tokens, stop,
-            ignore_eos))
+            ignore_eos, proposer))
         reply: orchestrator_pb2.GenerateUnaryResponse = self._stub.GenerateUnary(request, timeout=timeout)
         return reply

@@ -9,12 +9,41 @@ back to it (rollback), then the step's new tokens are appended.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from transformers import DynamicCache
 
 from tandem.errors import CacheMismatch, InvalidRequest, ResourceExhausted
 from tandem.models import CausalLM
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Tokens scored after a step's history tokens with their own attention pattern.
+
+    A token tree (Medusa, Lookahead's verification branch) or a Jacobi window (Lookahead's
+    lookahead branch): each token sees the whole history, plus the segment tokens its
+    `visible` row names.
+    """
+
+    token_ids: tuple[int, ...]  # [t]
+    offsets: tuple[int, ...]  # [t] position past the last history token, minus 1
+    visible: torch.Tensor  # [t, t] bool: token i attends to segment token j (i itself included)
+
+
+def tree_segment(token_ids: tuple[int, ...], parents: tuple[int, ...]) -> Segment:
+    """A token tree as a segment: each node sees its ancestors; a root child sits right after history."""
+    t = len(token_ids)
+    visible = torch.zeros(t, t, dtype=torch.bool)
+    depth = [0] * t
+    for node, parent in enumerate(parents):
+        assert parent < node, "parents must precede their children"
+        visible[node, node] = True
+        if parent >= 0:
+            visible[node] |= visible[parent]
+            depth[node] = depth[parent] + 1
+    return Segment(tuple(token_ids), tuple(depth), visible)
 
 
 @dataclass
@@ -24,6 +53,9 @@ class KVSession:
     session_id: str
     vocab_size: int
     cache: DynamicCache = field(default_factory=DynamicCache)
+    # A proposer's per-session soft state (Medusa's next candidates, Lookahead's window and
+    # n-gram pool); like the cache, it may be lost at any time and is rebuilt as it goes.
+    proposer_state: dict[str, Any] = field(default_factory=dict)
 
     @property
     def length(self) -> int:
@@ -38,6 +70,7 @@ class KVSession:
             )
         if cache_position == 0:
             self.cache = DynamicCache()
+            self.proposer_state.clear()
         elif cache_position < self.length:
             # transformers 5.x: crop() takes the (negative) number of tokens to remove.
             self.cache.crop(cache_position - self.length)
@@ -59,6 +92,34 @@ class KVSession:
         out = model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=logits_to_keep)
         logits: torch.Tensor = out.logits[0, -logits_to_keep:].float().cpu()
         return logits
+
+    @torch.inference_mode()
+    def forward_segment(self, model: CausalLM, token_ids: list[int], segment: Segment,
+                        with_hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Append token_ids (history), score `segment` after them in the same pass, forget the segment.
+
+        Returns logits [1 + t, vocab] (CPU, fp32) after the last history token and after each
+        segment token, and with_hidden the last hidden states [1 + t, hidden] at those
+        positions. The cache ends holding exactly the history: the segment's entries sit at
+        non-sequential positions, so they are cropped and never reused.
+        """
+        device = model.get_input_embeddings().weight.device
+        dtype = model.get_input_embeddings().weight.dtype
+        cached, n, t = self.length, len(token_ids), len(segment.token_ids)
+        history = torch.ones(n + t, cached + n, dtype=torch.bool).tril(cached)
+        visible = torch.zeros(n + t, t, dtype=torch.bool)
+        visible[n:] = segment.visible
+        allowed = torch.cat([history, visible], dim=1)  # [n + t, cached + n + t]
+        mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+        positions = [*range(cached, cached + n), *(cached + n + o for o in segment.offsets)]
+        out = model(input_ids=torch.tensor([[*token_ids, *segment.token_ids]], device=device),
+                    attention_mask=mask[None, None].to(device),
+                    position_ids=torch.tensor([positions], device=device),
+                    cache=self.cache, use_cache=True, output_hidden_states=with_hidden)
+        self.rollback(cached + n)
+        logits: torch.Tensor = out.logits[0, n - 1:].float().cpu()
+        hidden = out.hidden_states[-1][0, n - 1:].float().cpu() if with_hidden else None
+        return logits, hidden
 
 
 class SessionTable:

@@ -162,3 +162,57 @@ def commit(
     if accepted < len(draft_token_ids):
         return [*draft_token_ids[:accepted], scored.recovered_token_ids[accepted]]
     return [*draft_token_ids, scored.bonus_token_id]
+
+
+@dataclass(frozen=True)
+class TreeVerdict:
+    """The outcome of verifying a token tree."""
+
+    accepted_nodes: tuple[int, ...]  # node indices along the kept path, root side first
+    next_token_id: int  # the recovered or bonus token after the path
+
+
+def verify_tree(
+    target_probs: torch.Tensor,  # [1 + t, vocab]: row 0 after the root, row 1 + j after node j
+    token_ids: list[int] | tuple[int, ...],  # [t] node tokens
+    parents: list[int] | tuple[int, ...],  # [t] parent node of each node, -1 for the root's children
+    generator: torch.Generator,
+) -> TreeVerdict:
+    """Walk a tree of deterministic candidates from the root, keeping the target's exact law.
+
+    The candidates are a function of the history alone (Medusa heads, Lookahead's n-gram
+    pool), so each is a one-hot draft (FIELD_NOTES). At a node whose children carry
+    tokens c_1..c_m in tree order, starting from r = p:
+
+        keep c_j with probability r(c_j) / sum(r), and descend into it;
+        otherwise set r(c_j) = 0 and try c_{j+1};
+        when no child is kept, emit a token ~ norm(r) and stop (recovered, or bonus at a leaf).
+
+    This draws from p without replacement, one candidate at a time, so every emitted token
+    is distributed exactly as p (SpecInfer, Miao et al. 2024, arXiv 2305.09781, with
+    one-hot drafts). Under greedy decoding p is one-hot: a child is kept iff it is the
+    target's argmax, and the emitted token is the argmax.
+    """
+    children: list[list[int]] = [[] for _ in range(len(token_ids) + 1)]
+    for node, parent in enumerate(parents):
+        assert parent < node, "parents must precede their children"
+        children[parent + 1].append(node)
+    path: list[int] = []
+    row = 0  # target_probs row of the current node (0: the root)
+    while True:
+        residual = target_probs[row].to(_F32).clone()
+        for child in children[row]:
+            token = token_ids[child]
+            mass, chosen = float(residual.double().sum()), float(residual[token])
+            u = float(torch.rand(1, generator=generator, dtype=torch.float64))
+            if u * mass < chosen:
+                path.append(child)
+                row = child + 1
+                break
+            residual[token] = 0.0
+        else:
+            if float(residual.sum()) <= 0.0:
+                # Every token with mass was a rejected candidate: impossible in exact arithmetic
+                # (the last one is kept with probability 1); guards float rounding.
+                residual = target_probs[row].to(_F32)
+            return TreeVerdict(tuple(path), int(sample(residual[None], generator)[0]))

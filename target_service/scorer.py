@@ -1,4 +1,4 @@
-"""Scoring a draft block with one forward pass of the target."""
+"""Scoring a draft block, or a target proposer's token tree, with one forward pass of the target."""
 
 from __future__ import annotations
 
@@ -10,11 +10,19 @@ from tandem import sampling
 from tandem.kv import KVSession
 from tandem.model_service import Step
 from tandem.models import CausalLM
+from target_service.proposers import TargetProposer
 
 
 @dataclass(frozen=True)
 class ScoredStep:
     scored: sampling.ScoredBlock
+    cache_length: int
+
+
+@dataclass(frozen=True)
+class VerifiedStep:
+    committed_token_ids: tuple[int, ...]  # the accepted path, then a recovered or bonus token
+    proposed_count: int  # tokens in the verified tree
     cache_length: int
 
 
@@ -39,3 +47,30 @@ def score_block(
     generator = torch.Generator().manual_seed(seed)
     scored = sampling.score_block(probs, draft_token_ids, draft_distributions, generator)
     return ScoredStep(scored=scored, cache_length=session.length)
+
+
+def propose_and_verify(
+    model: CausalLM,
+    session: KVSession,
+    step: Step,
+    proposer: TargetProposer,
+    params: sampling.SamplingParams,
+    seed: int,
+) -> VerifiedStep:
+    """Append the step's tokens, score the proposer's segment in the same pass, verify its tree.
+
+    Unlike a draft block, the tree's tokens are not kept in the cache (they sit at tree
+    positions); the committed ones come back as the next step's new tokens.
+    """
+    session.rollback(step.cache_position)
+    candidates = proposer.get_candidates(session, step.new_token_ids)
+    logits, hidden = session.forward_segment(model, step.new_token_ids, candidates.segment,
+                                             proposer.with_hidden)
+    rows = [0, *(1 + i for i in candidates.tree_nodes)]
+    probs = sampling.probabilities(logits[rows], params)  # [1 + m, vocab]
+    generator = torch.Generator().manual_seed(seed)
+    verdict = sampling.verify_tree(probs, candidates.tree_token_ids, candidates.tree_parents,
+                                   generator)
+    proposer.update_candidate_strategy(session, candidates, logits, hidden, verdict)
+    path = tuple(candidates.tree_token_ids[i] for i in verdict.accepted_nodes)
+    return VerifiedStep((*path, verdict.next_token_id), len(candidates.tree_nodes), session.length)

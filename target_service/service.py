@@ -10,10 +10,11 @@ import grpc
 from tandem import sampling
 from tandem.errors import InvalidRequest
 from tandem.kv import KVSession
-from tandem.model_service import ModelServicer, sampling_from, step_from, timed
+from tandem.model_service import ModelHost, ModelServicer, sampling_from, step_from, timed
 from tandem.server import handle_errors
-from tandem.v1 import target_pb2, target_pb2_grpc
-from target_service.scorer import score_block
+from tandem.v1 import common_pb2, target_pb2, target_pb2_grpc
+from target_service.proposers import TargetProposer, build_proposers
+from target_service.scorer import propose_and_verify, score_block
 
 MAX_BLOCK_TOKENS = 64
 
@@ -45,8 +46,29 @@ def draft_from(request: target_pb2.ScoreBlocksRequest, session: KVSession
 class TargetService(ModelServicer, target_pb2_grpc.TargetServiceServicer):
     name = "tandem.v1.TargetService"
 
+    def __init__(self, host: ModelHost) -> None:
+        super().__init__(host)
+        self.proposers: dict[int, TargetProposer] = {}
+
     def add_to(self, server: grpc.aio.Server) -> None:
         target_pb2_grpc.add_TargetServiceServicer_to_server(self, server)
+
+    def load(self) -> None:
+        super().load()
+        self.proposers = build_proposers(self.host.config, self.host.ready_model())
+        assert self.host.info is not None
+        self.host.info.proposers.extend(sorted(self.proposers))
+
+    def _proposer(self, request: target_pb2.ScoreBlocksRequest) -> TargetProposer | None:
+        kind = request.target_proposer
+        if kind == common_pb2.PROPOSER_UNSPECIFIED:
+            return None
+        if kind not in self.proposers:
+            runs = ", ".join(common_pb2.Proposer.Name(k) for k in sorted(self.proposers)) or "none"
+            raise InvalidRequest(f"target_proposer {kind} is not run by this replica (it runs: {runs})")
+        if request.draft_token_ids:
+            raise InvalidRequest("draft_token_ids must be empty when target_proposer is set")
+        return self.proposers[kind]
 
     @handle_errors
     async def ScoreBlocks(
@@ -56,8 +78,17 @@ class TargetService(ModelServicer, target_pb2_grpc.TargetServiceServicer):
         model = self.host.ready_model()
         async for session, request in self.host.session_stream(request_iterator):
             step = step_from(request, session)
-            ids, dists = draft_from(request, session)
             params = sampling_from(request.sampling)
+            proposer = self._proposer(request)
+            if proposer is not None:
+                verified, ms = await self.host.run(timed, propose_and_verify, model, session, step,
+                                                   proposer, params, request.seed)
+                yield target_pb2.ScoreBlocksResponse(
+                    committed_token_ids=verified.committed_token_ids,
+                    proposed_token_count=verified.proposed_count,
+                    cache_length=verified.cache_length, compute_ms=ms)
+                continue
+            ids, dists = draft_from(request, session)
             result, ms = await self.host.run(timed, score_block, model, session, step, ids, dists,
                                              params, request.seed)
             yield target_pb2.ScoreBlocksResponse(

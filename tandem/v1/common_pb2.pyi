@@ -1,10 +1,26 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class Proposer(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PROPOSER_UNSPECIFIED: _ClassVar[Proposer]
+    PROPOSER_NONE: _ClassVar[Proposer]
+    PROPOSER_DRAFT_MODEL: _ClassVar[Proposer]
+    PROPOSER_PROMPT_LOOKUP: _ClassVar[Proposer]
+    PROPOSER_LOOKAHEAD: _ClassVar[Proposer]
+    PROPOSER_MEDUSA: _ClassVar[Proposer]
+PROPOSER_UNSPECIFIED: Proposer
+PROPOSER_NONE: Proposer
+PROPOSER_DRAFT_MODEL: Proposer
+PROPOSER_PROMPT_LOOKUP: Proposer
+PROPOSER_LOOKAHEAD: Proposer
+PROPOSER_MEDUSA: Proposer
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p")
@@ -25,7 +41,7 @@ class SparseDistribution(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "vocab_size", "tokenizer_fingerprint", "max_context_tokens", "eos_token_ids", "dtype", "device")
+    __slots__ = ("model", "vocab_size", "tokenizer_fingerprint", "max_context_tokens", "eos_token_ids", "dtype", "device", "proposers")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +49,7 @@ class ModelInfo(_message.Message):
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    PROPOSERS_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     tokenizer_fingerprint: str
@@ -40,7 +57,8 @@ class ModelInfo(_message.Message):
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     dtype: str
     device: str
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_context_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
+    proposers: _containers.RepeatedScalarFieldContainer[Proposer]
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_context_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., proposers: _Optional[_Iterable[_Union[Proposer, str]]] = ...) -> None: ...
 
 class GetModelInfoRequest(_message.Message):
     __slots__ = ()

@@ -20,7 +20,7 @@ FINISH_REASON_EOS: FinishReason
 FINISH_REASON_STOP_STRING: FinishReason
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "drafted_tokens", "accepted_tokens", "target_forward_passes", "wire_bytes", "draft_ms", "target_ms", "total_ms", "prefill_ms")
+    __slots__ = ("prompt_tokens", "completion_tokens", "drafted_tokens", "accepted_tokens", "target_forward_passes", "wire_bytes", "draft_ms", "target_ms", "total_ms", "prefill_ms", "proposer")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +31,7 @@ class Usage(_message.Message):
     TARGET_MS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
+    PROPOSER_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     drafted_tokens: int
@@ -41,10 +42,11 @@ class Usage(_message.Message):
     target_ms: float
     total_ms: float
     prefill_ms: float
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., target_forward_passes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., draft_ms: _Optional[float] = ..., target_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ...) -> None: ...
+    proposer: _common_pb2.Proposer
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., target_forward_passes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., draft_ms: _Optional[float] = ..., target_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., proposer: _Optional[_Union[_common_pb2.Proposer, str]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_token_ids", "max_new_tokens", "sampling", "seed", "num_speculative_tokens", "stop_strings", "ignore_eos")
+    __slots__ = ("prompt", "prompt_token_ids", "max_new_tokens", "sampling", "seed", "num_speculative_tokens", "stop_strings", "ignore_eos", "proposer")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +55,7 @@ class GenerateRequest(_message.Message):
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_STRINGS_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    PROPOSER_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_new_tokens: int
@@ -61,7 +64,8 @@ class GenerateRequest(_message.Message):
     num_speculative_tokens: int
     stop_strings: _containers.RepeatedScalarFieldContainer[str]
     ignore_eos: bool
-    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., stop_strings: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+    proposer: _common_pb2.Proposer
+    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., stop_strings: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., proposer: _Optional[_Union[_common_pb2.Proposer, str]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("delta", "summary")
@@ -88,7 +92,7 @@ class GenerationSummary(_message.Message):
     def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
 
 class GenerateUnaryRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_token_ids", "max_new_tokens", "sampling", "seed", "num_speculative_tokens", "stop_strings", "ignore_eos")
+    __slots__ = ("prompt", "prompt_token_ids", "max_new_tokens", "sampling", "seed", "num_speculative_tokens", "stop_strings", "ignore_eos", "proposer")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +101,7 @@ class GenerateUnaryRequest(_message.Message):
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_STRINGS_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    PROPOSER_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_new_tokens: int
@@ -105,7 +110,8 @@ class GenerateUnaryRequest(_message.Message):
     num_speculative_tokens: int
     stop_strings: _containers.RepeatedScalarFieldContainer[str]
     ignore_eos: bool
-    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., stop_strings: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+    proposer: _common_pb2.Proposer
+    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., stop_strings: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., proposer: _Optional[_Union[_common_pb2.Proposer, str]] = ...) -> None: ...
 
 class GenerateUnaryResponse(_message.Message):
     __slots__ = ("text", "token_ids", "finish_reason", "usage")

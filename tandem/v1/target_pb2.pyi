@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ScoreBlocksRequest(_message.Message):
-    __slots__ = ("session_id", "cache_position", "new_token_ids", "draft_token_ids", "draft_distributions", "sampling", "seed")
+    __slots__ = ("session_id", "cache_position", "new_token_ids", "draft_token_ids", "draft_distributions", "sampling", "seed", "target_proposer")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     CACHE_POSITION_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class ScoreBlocksRequest(_message.Message):
     DRAFT_DISTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    TARGET_PROPOSER_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     cache_position: int
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -23,18 +24,23 @@ class ScoreBlocksRequest(_message.Message):
     draft_distributions: _containers.RepeatedCompositeFieldContainer[_common_pb2.SparseDistribution]
     sampling: _common_pb2.SamplingParams
     seed: int
-    def __init__(self, session_id: _Optional[str] = ..., cache_position: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_distributions: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ...) -> None: ...
+    target_proposer: _common_pb2.Proposer
+    def __init__(self, session_id: _Optional[str] = ..., cache_position: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_distributions: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., target_proposer: _Optional[_Union[_common_pb2.Proposer, str]] = ...) -> None: ...
 
 class ScoreBlocksResponse(_message.Message):
-    __slots__ = ("target_probs", "recovered_token_ids", "bonus_token_id", "cache_length", "compute_ms")
+    __slots__ = ("target_probs", "recovered_token_ids", "bonus_token_id", "cache_length", "compute_ms", "committed_token_ids", "proposed_token_count")
     TARGET_PROBS_FIELD_NUMBER: _ClassVar[int]
     RECOVERED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BONUS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     CACHE_LENGTH_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROPOSED_TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
     target_probs: _containers.RepeatedScalarFieldContainer[float]
     recovered_token_ids: _containers.RepeatedScalarFieldContainer[int]
     bonus_token_id: int
     cache_length: int
     compute_ms: float
-    def __init__(self, target_probs: _Optional[_Iterable[float]] = ..., recovered_token_ids: _Optional[_Iterable[int]] = ..., bonus_token_id: _Optional[int] = ..., cache_length: _Optional[int] = ..., compute_ms: _Optional[float] = ...) -> None: ...
+    committed_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    proposed_token_count: int
+    def __init__(self, target_probs: _Optional[_Iterable[float]] = ..., recovered_token_ids: _Optional[_Iterable[int]] = ..., bonus_token_id: _Optional[int] = ..., cache_length: _Optional[int] = ..., compute_ms: _Optional[float] = ..., committed_token_ids: _Optional[_Iterable[int]] = ..., proposed_token_count: _Optional[int] = ...) -> None: ...

@@ -10,7 +10,7 @@ import pytest
 from tiny import PROMPTS, greedy_reference, make_model, make_tokenizer
 
 from tandem.launch import Stack, start_stack
-from tandem.v1 import orchestrator_pb2
+from tandem.v1 import common_pb2, orchestrator_pb2
 
 LENGTH = 40
 
@@ -27,6 +27,33 @@ def test_greedy_output_equals_target_generate(tiny_stack: Stack, reference, prom
     assert 0 <= usage.accepted_tokens <= usage.drafted_tokens
     # Each target pass commits the accepted tokens plus one recovered or bonus token.
     assert usage.completion_tokens == usage.accepted_tokens + usage.target_forward_passes
+
+
+@pytest.mark.parametrize("k", [1, 4, 8])
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_prompt_lookup_greedy_output_equals_target_generate(tiny_stack: Stack, reference, prompt: str,  # type: ignore[no-untyped-def]
+                                                            k: int) -> None:
+    with tiny_stack.client() as client:
+        reply = client.generate(prompt, max_new_tokens=LENGTH, num_speculative_tokens=k,
+                                proposer="prompt-lookup", ignore_eos=True)
+    assert list(reply.token_ids) == reference(prompt, LENGTH)
+    usage = reply.usage
+    assert usage.proposer == common_pb2.PROPOSER_PROMPT_LOOKUP
+    assert usage.completion_tokens == usage.accepted_tokens + usage.target_forward_passes
+    assert usage.accepted_tokens <= usage.drafted_tokens
+
+
+def test_prompt_lookup_proposes_on_repeated_text(tiny_stack: Stack, tiny_target: Path) -> None:
+    # A prompt that already holds "P, then the target's continuation of P", then P again:
+    # lookup proposes that continuation. (Whether a random tiny model copies it is up to the
+    # model; test_distribution.py shows lookup proposals being accepted and rejected.)
+    prompt = make_tokenizer().encode(PROMPTS[0])
+    repeated = prompt + greedy_reference(tiny_target, prompt, LENGTH) + prompt
+    with tiny_stack.client() as client:
+        reply = client.generate(repeated, max_new_tokens=LENGTH, num_speculative_tokens=4,
+                                proposer="prompt-lookup", ignore_eos=True)
+    assert list(reply.token_ids) == greedy_reference(tiny_target, repeated, LENGTH)
+    assert reply.usage.drafted_tokens > 0
 
 
 def test_plain_target_decoding_through_the_services(tiny_stack: Stack, reference) -> None:  # type: ignore[no-untyped-def]

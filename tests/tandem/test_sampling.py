@@ -164,3 +164,68 @@ def test_seeded_sampling_is_deterministic() -> None:
     a, _ = _two_tokens(sampling.num_accepted, trials=300, seed=7)
     b, _ = _two_tokens(sampling.num_accepted, trials=300, seed=7)
     assert a == b
+
+
+# --- Token trees (deterministic candidates: Medusa, Lookahead) --------------------------------
+
+# A tree rooted after the history: nodes 0 (a) and 1 (b) are the root's children; node 2 (c)
+# is a's child.
+TREE_TOKENS, TREE_PARENTS = (1, 2, 3), (-1, -1, 0)
+
+
+def test_verify_tree_greedy_follows_the_argmax_path() -> None:
+    # Root argmax is b (node 1), a leaf: kept, then the bonus is b's argmax.
+    probs = torch.stack([one_hot(2), one_hot(3), one_hot(5), one_hot(0)])
+    verdict = sampling.verify_tree(probs, TREE_TOKENS, TREE_PARENTS, torch.Generator())
+    assert verdict.accepted_nodes == (1,) and verdict.next_token_id == 5
+
+
+def test_verify_tree_greedy_descends_two_levels() -> None:
+    probs = torch.stack([one_hot(1), one_hot(3), one_hot(5), one_hot(4)])
+    verdict = sampling.verify_tree(probs, TREE_TOKENS, TREE_PARENTS, torch.Generator())
+    assert verdict.accepted_nodes == (0, 2) and verdict.next_token_id == 4
+
+
+def test_verify_tree_greedy_rejects_everything() -> None:
+    probs = torch.stack([one_hot(4), one_hot(3), one_hot(5), one_hot(4)])
+    verdict = sampling.verify_tree(probs, TREE_TOKENS, TREE_PARENTS, torch.Generator())
+    assert verdict.accepted_nodes == () and verdict.next_token_id == 4
+
+
+def test_verify_tree_empty_tree_is_plain_sampling() -> None:
+    verdict = sampling.verify_tree(one_hot(3)[None], (), (), torch.Generator())
+    assert verdict == sampling.TreeVerdict((), 3)
+
+
+def _tree_two_tokens(keep_rule: str, trials: int) -> tuple[list[int], torch.Tensor]:
+    """First two tokens when every step verifies a fixed two-level tree over random p tables.
+
+    Candidates: the two tokens 0 and 1 at the root, and token 2 under each. keep_rule
+    "exact" uses verify_tree; "biased" keeps the first candidate whenever p gives it any mass.
+    """
+    tables = torch.Generator().manual_seed(99)
+    p1, p2, p3 = _random_rows(tables), _random_rows(tables, VOCAB), _random_rows(tables, VOCAB, VOCAB)
+    tokens, parents = (0, 1, 2, 2), (-1, -1, 0, 1)
+    rng = torch.Generator().manual_seed(5)
+    counts = [0] * (VOCAB * VOCAB)
+    for _ in range(trials):
+        probs = torch.stack([p1, p2[0], p2[1], p3[0, 2], p3[1, 2]])
+        if keep_rule == "exact":
+            verdict = sampling.verify_tree(probs, tokens, parents, rng)
+            out = [tokens[n] for n in verdict.accepted_nodes] + [verdict.next_token_id]
+        else:
+            out = [0, int(sampling.sample(p2[0][None], rng)[0])]
+        if len(out) == 1:  # the next step starts a new tree after token 1; its first token ~ p2
+            out.append(int(sampling.sample(p2[out[0]][None], rng)[0]))
+        counts[out[0] * VOCAB + out[1]] += 1
+    return counts, (p1[:, None] * p2).reshape(-1)
+
+
+def test_tree_verification_matches_target_distribution() -> None:
+    counts, exact = _tree_two_tokens("exact", trials=20_000)
+    assert _p_value(counts, exact) > ALPHA
+
+
+def test_tree_statistical_test_catches_always_keeping_the_first_candidate() -> None:
+    counts, exact = _tree_two_tokens("biased", trials=20_000)
+    assert _p_value(counts, exact) < ALPHA

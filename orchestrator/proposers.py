@@ -1,0 +1,111 @@
+"""Proposers the orchestrator runs a step with: a draft model on the draft service, or prompt lookup.
+
+The seam follows transformers' candidate generators: `get_candidates` proposes a block of
+up to k tokens with the distribution each was drawn from (q), `update_candidate_strategy`
+hears how many were accepted. Lookahead and Medusa are not here: they need the target's
+own forward pass, so the target service runs them (target_service/proposers.py) and the
+orchestrator only asks for them (TargetSession.proposer).
+
+Prompt lookup runs here, not on a draft replica: it needs only the token history, which
+the orchestrator owns, so it costs no round trip and no replica, and can back a draft model.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+from orchestrator.remote import EMPTY_BLOCK, DraftBlock, DraftSession
+from tandem import sampling
+from tandem.v1 import common_pb2
+
+
+class Proposer(Protocol):
+    kind: int  # common_pb2.Proposer
+
+    @property
+    def wire_bytes(self) -> int:
+        """Bytes the proposer exchanged with other services."""
+
+    async def get_candidates(self, history: list[int], num_speculative_tokens: int,
+                             params: sampling.SamplingParams, seed: int) -> DraftBlock:
+        """Up to k tokens to follow `history`; k=0 may prepare (the draft model prefills)."""
+
+    def update_candidate_strategy(self, block: DraftBlock, accepted: int, history_length: int) -> None:
+        """`accepted` of `block` were kept after `history_length` history tokens."""
+
+    async def close(self) -> None:
+        """Release what the proposer holds (a remote session)."""
+
+
+@dataclass
+class DraftModelProposer:
+    """A draft model on a draft replica: each block is sampled under the request's parameters."""
+
+    session: DraftSession
+    max_support_size: int
+    kind: int = common_pb2.PROPOSER_DRAFT_MODEL
+
+    @property
+    def wire_bytes(self) -> int:
+        return self.session.wire_bytes
+
+    async def get_candidates(self, history: list[int], num_speculative_tokens: int,
+                             params: sampling.SamplingParams, seed: int) -> DraftBlock:
+        return await self.session.propose(history, num_speculative_tokens, params,
+                                          self.max_support_size, seed)
+
+    def update_candidate_strategy(self, block: DraftBlock, accepted: int, history_length: int) -> None:
+        # Of what the draft's cache now holds, only the prefix that became history stays valid.
+        if block is not EMPTY_BLOCK:
+            self.session.advance(block.cache_length, history_length + accepted)
+
+    async def close(self) -> None:
+        await self.session.close()
+
+
+def lookup(history: list[int], max_tokens: int, min_ngram: int, max_ngram: int) -> list[int]:
+    """The tokens that followed the latest earlier occurrence of the history's last n-gram.
+
+    Longer n-grams are tried first (a longer match predicts better); [] when none matches.
+    """
+    for n in range(min(max_ngram, len(history) - 1), min_ngram - 1, -1):
+        tail = history[-n:]
+        for start in range(len(history) - n - 1, -1, -1):
+            if history[start + n - 1] == tail[-1] and history[start:start + n] == tail:
+                return history[start + n:start + n + max_tokens]
+    return []
+
+
+@dataclass
+class PromptLookupProposer:
+    """Prompt lookup (n-gram): proposes from the history itself, no model.
+
+    The proposal is a function of the history, so each token is a one-hot draft: the
+    target keeps it with probability p(x) and otherwise resamples from p without x, the
+    exact rule for deterministic drafts (FIELD_NOTES; vLLM's n-gram proposer does the same).
+    """
+
+    min_ngram: int
+    max_ngram: int
+    kind: int = common_pb2.PROPOSER_PROMPT_LOOKUP
+    wire_bytes: int = 0
+
+    async def get_candidates(self, history: list[int], num_speculative_tokens: int,
+                             params: sampling.SamplingParams, seed: int) -> DraftBlock:
+        if num_speculative_tokens == 0:
+            return EMPTY_BLOCK
+        started = time.perf_counter()
+        tokens = lookup(history, num_speculative_tokens, self.min_ngram, self.max_ngram)
+        if not tokens:
+            return EMPTY_BLOCK
+        one_hot = tuple(common_pb2.SparseDistribution(token_ids=[t], probs=[1.0]) for t in tokens)
+        return DraftBlock(tuple(tokens), one_hot, (1.0,) * len(tokens), 0,
+                          (time.perf_counter() - started) * 1000.0)
+
+    def update_candidate_strategy(self, block: DraftBlock, accepted: int, history_length: int) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass

@@ -1,0 +1,58 @@
+"""KV sessions: rollback, and scoring a segment (token tree) after the history in one pass."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tandem.kv import KVSession, tree_segment
+
+
+@pytest.fixture(scope="module")
+def model(tiny_target: Path):  # type: ignore[no-untyped-def]
+    return AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
+
+
+def last_logits(model, ids: list[int]) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    with torch.inference_mode():
+        return model(input_ids=torch.tensor([ids])).logits[0, -1]
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_tree_segment_scores_each_branch_as_if_alone(tiny_target: Path, attn: str) -> None:
+    model = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32,
+                                                 attn_implementation=attn).eval()
+    session = KVSession("s", vocab_size=40)
+    session.forward(model, [3, 4, 5, 6], logits_to_keep=1)
+    # Tree after history [3..6] + new [7, 8]: root children 9 and 10; 11 under 9; 12 under 11.
+    tree = tree_segment((9, 10, 11, 12), (-1, -1, 0, 2))
+    logits, hidden = session.forward_segment(model, [7, 8], tree, with_hidden=True)
+    history = [3, 4, 5, 6, 7, 8]
+    branches = [history, history + [9], history + [10], history + [9, 11], history + [9, 11, 12]]
+    for row, ids in enumerate(branches):
+        torch.testing.assert_close(logits[row], last_logits(model, ids), atol=1e-4, rtol=1e-4)
+    assert hidden is not None and hidden.shape[0] == 5
+    # The segment leaves no trace: the cache holds the history, and continues it exactly.
+    assert session.length == len(history)
+    next_logits = session.forward(model, [13], logits_to_keep=1)[0]
+    torch.testing.assert_close(next_logits, last_logits(model, history + [13]), atol=1e-4, rtol=1e-4)
+
+
+def test_rollback_beyond_the_cache_is_refused(model) -> None:  # type: ignore[no-untyped-def]
+    from tandem.errors import CacheMismatch
+
+    session = KVSession("s", vocab_size=40)
+    session.forward(model, [3, 4], logits_to_keep=1)
+    with pytest.raises(CacheMismatch, match="beyond the session's cache length 2"):
+        session.rollback(3)
+
+
+def test_rollback_to_zero_forgets_proposer_state(model) -> None:  # type: ignore[no-untyped-def]
+    session = KVSession("s", vocab_size=40)
+    session.forward(model, [3, 4], logits_to_keep=1)
+    session.proposer_state["x"] = 1
+    session.rollback(0)
+    assert session.length == 0 and not session.proposer_state
