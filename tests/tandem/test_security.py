@@ -8,11 +8,12 @@ Every refusal asserts its exact status code, against a positive control on the s
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from certs import Authority, Pair, issue, make_ca
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from tandem import security
+from tandem import security, server
 from tandem.client import TandemClient
 from tandem.launch import Process, Stack, start_stack
 from tandem.v1 import common_pb2, draft_pb2_grpc, target_pb2_grpc
@@ -248,3 +249,66 @@ def test_token_is_compared_in_constant_time_and_exactly(pki: Pki) -> None:
     assert auth._refusal([("authorization", pki.token)]) is not None  # no scheme
     assert auth._refusal([]) is not None
     assert auth._refusal([("authorization", f"Bearer {pki.token}")] * 2) is not None
+
+
+class EchoService:
+    """Echoes bytes through each of the four RPC shapes."""
+
+    name = "test.Echo"
+
+    def add_to(self, server: grpc.aio.Server) -> None:
+        async def unary(request: bytes, context: object) -> bytes:
+            return request
+
+        async def stream(request: bytes, context: object) -> AsyncIterator[bytes]:
+            yield request
+
+        async def gather(requests: AsyncIterator[bytes], context: object) -> bytes:
+            return b"".join([r async for r in requests])
+
+        async def echo(requests: AsyncIterator[bytes], context: object) -> AsyncIterator[bytes]:
+            async for request in requests:
+                yield request
+
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(self.name, {
+            "UnaryUnary": grpc.unary_unary_rpc_method_handler(unary),
+            "UnaryStream": grpc.unary_stream_rpc_method_handler(stream),
+            "StreamUnary": grpc.stream_unary_rpc_method_handler(gather),
+            "StreamStream": grpc.stream_stream_rpc_method_handler(echo),
+        }),))
+
+    def load(self) -> None:
+        pass
+
+
+def test_the_token_guards_every_rpc_shape_in_process() -> None:
+    async def call(channel: grpc.aio.Channel, shape: str, metadata: tuple[tuple[str, str], ...]) -> bytes:
+        method = f"/test.Echo/{shape}"
+        if shape == "UnaryUnary":
+            reply: bytes = await channel.unary_unary(method)(b"hi", metadata=metadata)
+            return reply
+        if shape == "UnaryStream":
+            return b"".join([r async for r in channel.unary_stream(method)(b"hi", metadata=metadata)])
+        if shape == "StreamUnary":
+            reply = await channel.stream_unary(method)(iter([b"h", b"i"]), metadata=metadata)
+            return reply
+        return b"".join([r async for r in channel.stream_stream(method)(iter([b"hi"]), metadata=metadata)])
+
+    async def scenario() -> None:
+        running = await server.start_server([EchoService()], auth_token="s3cret")
+        await running.set_serving(True)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+                for shape in ("UnaryUnary", "UnaryStream", "StreamUnary", "StreamStream"):
+                    assert await call(channel, shape, security.bearer_metadata("s3cret")) == b"hi"
+                    for metadata in ((), security.bearer_metadata("s3cre7")):
+                        with pytest.raises(grpc.aio.AioRpcError) as caught:
+                            await call(channel, shape, metadata)
+                        assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED, shape
+                health = await health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(service="test.Echo"), timeout=5)
+                assert health.status == health_pb2.HealthCheckResponse.SERVING
+        finally:
+            await running.stop(0)
+
+    asyncio.run(scenario())
