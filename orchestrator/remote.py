@@ -17,6 +17,7 @@ import grpc
 
 from tandem import sampling
 from tandem.errors import DeadlineExceeded, Unavailable
+from tandem.security import ClientTls, aio_channel
 from tandem.server import CHANNEL_OPTIONS
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
@@ -49,8 +50,10 @@ class ReplicaPool:
     method runs on the event loop that owns the channels.
     """
 
-    def __init__(self, addresses: Sequence[str], stub_class: type) -> None:
+    def __init__(self, addresses: Sequence[str], stub_class: type,
+                 tls: ClientTls | None = None) -> None:
         self.stub_class = stub_class
+        self.tls = tls
         self.replicas: list[Replica] = []
         self._closing: set[asyncio.Task[None]] = set()
         for address in addresses:
@@ -68,7 +71,7 @@ class ReplicaPool:
         """Route new sessions to `address`; a replica marked terminating takes them again."""
         replica = self.get(address)
         if replica is None:
-            channel = grpc.aio.insecure_channel(address, options=_channel_options(address))
+            channel = aio_channel(address, self.tls, _channel_options(address))
             replica = Replica(address=address, stub=self.stub_class(channel), channel=channel)
             self.replicas.append(replica)
         replica.terminating = False
@@ -227,22 +230,26 @@ class TargetSession(RemoteSession):
                             tuple(response.committed_token_ids), response.proposed_token_count)
 
 
-async def fetch_model_info(address: str, stub_class: type, wait_s: float) -> common_pb2.ModelInfo:
+async def fetch_model_info(address: str, stub_class: type, wait_s: float,
+                           tls: ClientTls | None = None) -> common_pb2.ModelInfo:
     """Wait until the replica's model is loaded (health SERVING), then describe it."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+    async with aio_channel(address, tls, CHANNEL_OPTIONS) as channel:
         health = health_pb2_grpc.HealthStub(channel)
         deadline = asyncio.get_running_loop().time() + wait_s
+        last_error = ""
         while True:
             try:
                 reply = await health.Check(health_pb2.HealthCheckRequest(), timeout=5)
                 if reply.status == health_pb2.HealthCheckResponse.SERVING:
                     break
-            except grpc.aio.AioRpcError:
-                pass
+            except grpc.aio.AioRpcError as exc:
+                # A TLS mismatch looks like a replica still starting; keep why, to report it.
+                last_error = f" (last error: {exc.code().name}: {exc.details()})"
             if asyncio.get_running_loop().time() > deadline:
-                raise Unavailable(f"replica {address} did not become SERVING within {wait_s:.0f}s")
+                raise Unavailable(f"replica {address} did not become SERVING within "
+                                  f"{wait_s:.0f}s{last_error}")
             await asyncio.sleep(0.5)
         response = await stub_class(channel).GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=30)
         info: common_pb2.ModelInfo = response.info

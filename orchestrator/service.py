@@ -33,6 +33,7 @@ from tandem import metrics, models
 from tandem.config import option
 from tandem.errors import InvalidRequest, Unavailable
 from tandem.model_service import sampling_from
+from tandem.security import ClientTls, ServerSecurityConfig, load_client_tls
 from tandem.server import handle_errors
 from tandem.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 
@@ -54,8 +55,8 @@ DISCOVERY_SYNC_S = 30.0
 
 
 @dataclass(frozen=True)
-class OrchestratorConfig:
-    """Configuration of the orchestrator."""
+class OrchestratorConfig(ServerSecurityConfig):
+    """Configuration of the orchestrator (TLS of its public API: ServerSecurityConfig)."""
 
     draft: str = option("", "draft replica addresses, comma-separated (empty: no draft)")
     target: str = option("", "target replica addresses, comma-separated")
@@ -89,6 +90,21 @@ class OrchestratorConfig:
     metrics_port: int = option(-1, "port for Prometheus metrics over HTTP (0 picks a free one; "
                                "-1: none)")
     log_level: str = option("INFO", "logging level")
+    auth_token_file: str = option("", "file holding the bearer token every public API call must "
+                                  "send (empty: no authentication); health and reflection "
+                                  "stay open")
+    upstream_tls_ca: str = option("", "PEM CA bundle to verify draft/target certificates with "
+                                  "(setting any --upstream-tls-* turns on TLS to the replicas)")
+    upstream_tls_cert: str = option("", "PEM client certificate to present to the replicas "
+                                    "(mutual TLS)")
+    upstream_tls_key: str = option("", "PEM private key of --upstream-tls-cert")
+    upstream_tls_server_name: str = option("", "name to verify replica certificates against "
+                                           "(discovered replicas are dialled by pod IP)")
+
+    def upstream_tls(self) -> ClientTls | None:
+        return load_client_tls(self.upstream_tls_ca, self.upstream_tls_cert,
+                               self.upstream_tls_key, self.upstream_tls_server_name,
+                               enabled=bool(self.upstream_tls_server_name), flag="--upstream-tls")
 
 
 def proposer_kind(name: str) -> int:
@@ -153,6 +169,7 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         if _addresses(config.draft) and config.draft_service_name:
             raise ValueError("set at most one of --draft and --draft-service-name")
         self.config = config
+        self.upstream_tls = config.upstream_tls()
         self.tokenizer: Any = None
         self.target_info: common_pb2.ModelInfo | None = None
         self.drafts: ReplicaPool | None = None
@@ -197,10 +214,10 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
 
             target_addresses = [await discovery.first_ready(
                 self._kube, self._namespace, cfg.target_service_name, cfg.service_port_name, wait)]
-        targets = await asyncio.gather(*(fetch_model_info(a, TARGET_STUB, wait)
+        targets = await asyncio.gather(*(fetch_model_info(a, TARGET_STUB, wait, self.upstream_tls)
                                          for a in target_addresses))
         # Discovered drafts are checked one by one as they appear (_admit).
-        drafts = await asyncio.gather(*(fetch_model_info(a, DRAFT_STUB, wait)
+        drafts = await asyncio.gather(*(fetch_model_info(a, DRAFT_STUB, wait, self.upstream_tls)
                                         for a in _addresses(self.config.draft)))
         reference = targets[0]
         for info in (*targets, *drafts):
@@ -212,9 +229,10 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
     async def _pools(self) -> tuple[ReplicaPool | None, ReplicaPool]:
         # Channels bind to the serving event loop, so they are made on first use, not in load().
         if self.targets is None:
-            self.targets = ReplicaPool(_addresses(self.config.target), TARGET_STUB)
+            self.targets = ReplicaPool(_addresses(self.config.target), TARGET_STUB,
+                                       self.upstream_tls)
             drafts = _addresses(self.config.draft)
-            self.drafts = (ReplicaPool(drafts, DRAFT_STUB)
+            self.drafts = (ReplicaPool(drafts, DRAFT_STUB, self.upstream_tls)
                            if drafts or self.config.draft_service_name else None)
             self._discovery_synced = asyncio.ensure_future(self._start_discovery())
         assert self._discovery_synced is not None
@@ -245,7 +263,7 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
 
         assert self.target_info is not None
         try:
-            info = await fetch_model_info(address, stub_class, ADMIT_WAIT_S)
+            info = await fetch_model_info(address, stub_class, ADMIT_WAIT_S, self.upstream_tls)
         except (Unavailable, grpc.aio.AioRpcError) as exc:
             raise ReplicaRejected(f"cannot describe its model: {exc}") from exc
         problem = _incompatibility(info, self.target_info)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import signal
 import sys
@@ -12,6 +13,15 @@ import time
 from collections.abc import Sequence
 
 from tandem import config, models
+from tandem.security import (
+    SecurityConfigError,
+    ServerSecurityConfig,
+    ServerTls,
+    load_client_tls,
+    read_token,
+)
+
+log = logging.getLogger("tandem.cli")
 
 
 def _serve_model(args: argparse.Namespace, label: str) -> None:
@@ -24,6 +34,7 @@ def _serve_model(args: argparse.Namespace, label: str) -> None:
     if cfg.quantize and label == "target-service":
         sys.exit("target-service: --quantize is for drafts only; Tandem never changes the target's "
                  "output. Choose the target's precision with --dtype.")
+    tls = _server_tls(cfg, label)
     configure_logging(cfg.log_level)
     host = ModelHost(cfg)
     if label == "draft-service":
@@ -33,7 +44,14 @@ def _serve_model(args: argparse.Namespace, label: str) -> None:
         from target_service.service import TargetService
         service = TargetService(host)
     asyncio.run(serve([service], label, cfg.host, cfg.port, cfg.grace_s,  # type: ignore[list-item]
-                      metrics_port=cfg.metrics_port))
+                      metrics_port=cfg.metrics_port, tls=tls, health_port=cfg.health_port))
+
+
+def _server_tls(cfg: ServerSecurityConfig, label: str) -> ServerTls | None:
+    try:
+        return cfg.server_tls()
+    except SecurityConfigError as exc:
+        sys.exit(f"{label}: {exc}")
 
 
 def _serve_orchestrator(args: argparse.Namespace) -> None:
@@ -41,13 +59,19 @@ def _serve_orchestrator(args: argparse.Namespace) -> None:
     from tandem.server import configure_logging, serve
 
     cfg = config.from_args(OrchestratorConfig, args)
+    tls = _server_tls(cfg, "orchestrator")
     configure_logging(cfg.log_level)
     try:
-        service = OrchestratorService(cfg)
+        service = OrchestratorService(cfg)  # SecurityConfigError is a ValueError
+        token = read_token(cfg.auth_token_file) if cfg.auth_token_file else None
     except ValueError as exc:
         sys.exit(f"orchestrator: {exc}")
+    if token and tls is None:
+        log.warning("--auth-token-file without --tls-cert: the token crosses the network in "
+                    "plaintext")
     asyncio.run(serve([service], "orchestrator", cfg.host, cfg.port, cfg.grace_s,
-                      metrics_port=cfg.metrics_port))
+                      metrics_port=cfg.metrics_port, tls=tls, auth_token=token,
+                      health_port=cfg.health_port))
 
 
 def _up(args: argparse.Namespace) -> None:
@@ -79,7 +103,14 @@ def _generate(args: argparse.Namespace) -> None:
     from tandem.client import TandemClient
     from tandem.v1 import common_pb2, orchestrator_pb2
 
-    with TandemClient(args.address) as client:
+    try:
+        tls = load_client_tls(args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name,
+                              enabled=args.tls)
+        token = (read_token(args.auth_token_file) if args.auth_token_file
+                 else os.environ.get("TANDEM_AUTH_TOKEN") or None)
+    except SecurityConfigError as exc:
+        sys.exit(f"generate: {exc}")
+    with TandemClient(args.address, tls=tls, token=token) as client:
         stream = client.generate_stream(
             args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
             top_p=args.top_p, top_k=args.top_k, seed=args.seed,
@@ -162,6 +193,23 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    env = os.environ.get
+    gen.add_argument("--tls", action=argparse.BooleanOptionalAction,
+                     default=env("TANDEM_TLS", "").lower() in ("1", "true", "yes", "on"),
+                     help="connect over TLS, trusting the system's roots unless --tls-ca "
+                          "[env TANDEM_TLS]; any --tls-* path implies it")
+    gen.add_argument("--tls-ca", default=env("TANDEM_TLS_CA", ""),
+                     help="PEM CA bundle to verify the orchestrator with [env TANDEM_TLS_CA]")
+    gen.add_argument("--tls-cert", default=env("TANDEM_TLS_CERT", ""),
+                     help="PEM client certificate, for mutual TLS [env TANDEM_TLS_CERT]")
+    gen.add_argument("--tls-key", default=env("TANDEM_TLS_KEY", ""),
+                     help="PEM private key of --tls-cert [env TANDEM_TLS_KEY]")
+    gen.add_argument("--tls-server-name", default=env("TANDEM_TLS_SERVER_NAME", ""),
+                     help="name to verify the certificate against, when the address is not it "
+                          "(e.g. through port-forward) [env TANDEM_TLS_SERVER_NAME]")
+    gen.add_argument("--auth-token-file", default=env("TANDEM_AUTH_TOKEN_FILE", ""),
+                     help="file holding the orchestrator's bearer token [env "
+                          "TANDEM_AUTH_TOKEN_FILE; or the token itself in TANDEM_AUTH_TOKEN]")
     gen.set_defaults(func=_generate)
 
     sub.add_parser("bench", help="benchmark every mode side by side (tandem bench --help)")

@@ -5,17 +5,23 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any, Self
 
-import grpc
-
+from tandem.security import ClientTls, bearer_metadata, channel
 from tandem.server import CHANNEL_OPTIONS
 from tandem.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 
 
 class TandemClient:
-    """Talks to an orchestrator. Use as a context manager, or call close()."""
+    """Talks to an orchestrator. Use as a context manager, or call close().
 
-    def __init__(self, address: str = "127.0.0.1:50051") -> None:
-        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    tls: connect over TLS (`tandem.security.load_client_tls` reads the CA and, for mutual TLS,
+    the client certificate). token: the bearer token an orchestrator with
+    --auth-token-file requires.
+    """
+
+    def __init__(self, address: str = "127.0.0.1:50051", *, tls: ClientTls | None = None,
+                 token: str | None = None) -> None:
+        self._channel = channel(address, tls, CHANNEL_OPTIONS)
+        self._metadata = bearer_metadata(token)
         self._stub = orchestrator_pb2_grpc.OrchestratorServiceStub(self._channel)
 
     def __enter__(self) -> Self:
@@ -59,7 +65,7 @@ class TandemClient:
         request = orchestrator_pb2.GenerateRequest(**self._fields(
             prompt, max_new_tokens, temperature, top_p, top_k, seed, num_speculative_tokens, stop,
             ignore_eos, proposer))
-        yield from self._stub.Generate(request, timeout=timeout)
+        yield from self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
 
     def generate(self, prompt: str | list[int], *, max_new_tokens: int = 256,
                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
@@ -70,5 +76,6 @@ class TandemClient:
         request = orchestrator_pb2.GenerateUnaryRequest(**self._fields(
             prompt, max_new_tokens, temperature, top_p, top_k, seed, num_speculative_tokens, stop,
             ignore_eos, proposer))
-        reply: orchestrator_pb2.GenerateUnaryResponse = self._stub.GenerateUnary(request, timeout=timeout)
+        reply: orchestrator_pb2.GenerateUnaryResponse = self._stub.GenerateUnary(
+            request, timeout=timeout, metadata=self._metadata)
         return reply

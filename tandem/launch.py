@@ -14,6 +14,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.client import TandemClient
+from tandem.security import ClientTls, channel
 
 
 @dataclass
@@ -51,10 +52,10 @@ def spawn(argv: Sequence[str], env: dict[str, str] | None = None, port: int = 0)
     raise RuntimeError(f"tandem {argv[0]} exited with {proc.wait()}:\n{''.join(lines)}")
 
 
-def wait_serving(process: Process, timeout: float = 600.0) -> None:
+def wait_serving(process: Process, timeout: float = 600.0, tls: ClientTls | None = None) -> None:
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(process.address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
+    with channel(process.address, tls) as health_channel:
+        stub = health_pb2_grpc.HealthStub(health_channel)
         while time.monotonic() < deadline:
             if process.proc.poll() is not None:
                 raise RuntimeError(f"process exited with {process.proc.returncode}:\n{''.join(process.lines)}")
@@ -73,13 +74,15 @@ class Stack:
     drafts: list[Process]
     targets: list[Process]
     orchestrator: Process
+    tls: ClientTls | None = None
+    token: str | None = None
 
     @property
     def address(self) -> str:
         return self.orchestrator.address
 
     def client(self) -> TandemClient:
-        return TandemClient(self.address)
+        return TandemClient(self.address, tls=self.tls, token=self.token)
 
     def stop(self) -> None:
         for p in (self.orchestrator, *self.drafts, *self.targets):
@@ -90,8 +93,13 @@ def start_stack(draft_model: str | None, target_model: str, *, num_drafts: int =
                 num_targets: int = 1, draft_dtype: str = "float32",
                 target_dtype: str = "float32", threads: int = 1,
                 draft_args: Sequence[str] = (), target_args: Sequence[str] = (),
-                orchestrator_args: Sequence[str] = (), port: int = 0) -> Stack:
-    """Start drafts, targets and an orchestrator; return when all are SERVING."""
+                orchestrator_args: Sequence[str] = (), port: int = 0,
+                tls: ClientTls | None = None, token: str | None = None) -> Stack:
+    """Start drafts, targets and an orchestrator; return when all are SERVING.
+
+    With TLS flags among the *_args, `tls` is how this process reaches every service (one CA,
+    and a client certificate where mutual TLS is on); `token` is what `Stack.client()` sends.
+    """
     common = ["--threads", str(threads)]
     drafts = [spawn(["draft-service", "--model", draft_model, "--dtype", draft_dtype, *common, *draft_args])
               for _ in range(num_drafts)] if draft_model else []
@@ -102,9 +110,9 @@ def start_stack(draft_model: str | None, target_model: str, *, num_drafts: int =
                   *orchestrator_args], port=port)
     try:
         for p in (*drafts, *targets, orch):
-            wait_serving(p)
+            wait_serving(p, tls=tls)
     except BaseException:
         for p in (orch, *drafts, *targets):
             p.stop()
         raise
-    return Stack(drafts, targets, orch)
+    return Stack(drafts, targets, orch, tls, token)

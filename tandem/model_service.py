@@ -25,6 +25,7 @@ from tandem.errors import InvalidRequest, Unavailable
 from tandem.kv import KVSession, SessionTable
 from tandem.metrics import ReplicaMetrics
 from tandem.sampling import SamplingParams, validate
+from tandem.security import ServerSecurityConfig
 from tandem.server import handle_errors
 from tandem.v1 import common_pb2
 
@@ -33,8 +34,8 @@ R = TypeVar("R")
 
 
 @dataclass(frozen=True)
-class ModelServiceConfig:
-    """Configuration of a draft or target service."""
+class ModelServiceConfig(ServerSecurityConfig):
+    """Configuration of a draft or target service (TLS fields: ServerSecurityConfig)."""
 
     model: str = option("", "model: local path, hub id, or a built-in name")
     host: str = option("127.0.0.1", "address to bind")

@@ -7,6 +7,11 @@ flips health to SERVING, and on SIGTERM/SIGINT turns NOT_SERVING, refuses new wo
 and drains in-flight streams within the grace period. With a metrics port it also serves
 Prometheus metrics over HTTP, from before loading until the drain is over.
 
+Security is set up here too, the same way for every service: TLS (mutual TLS with a client
+CA) from `tandem.security.ServerTls`, and with a token, bearer-token authentication on
+everything but health and reflection. The kubelet's gRPC probes speak neither TLS nor
+tokens, so a health port can serve health alone in plaintext beside a TLS port.
+
 `handle_errors` is the one place that turns domain exceptions into gRPC statuses.
 """
 
@@ -28,6 +33,7 @@ from grpc_reflection.v1alpha import reflection
 
 from tandem import metrics
 from tandem.errors import TandemError
+from tandem.security import BearerTokenAuth, ServerTls, server_credentials
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +64,14 @@ class RunningServer:
     port: int
     health: Any  # grpc_health.v1.health.aio.HealthServicer
     names: tuple[str, ...]
+    # Plaintext, health-only server for probes (None: health is on the main port only).
+    health_server: grpc.aio.Server | None = None
+    health_port: int = -1
+
+    async def stop(self, grace_s: float | None) -> None:
+        await self.server.stop(grace_s)
+        if self.health_server is not None:
+            await self.health_server.stop(0)
 
     async def set_serving(self, serving: bool) -> None:
         status = (health_pb2.HealthCheckResponse.SERVING if serving
@@ -66,8 +80,17 @@ class RunningServer:
             await self.health.set(name, status)
 
 
-async def start_server(services: list[Service], host: str = "127.0.0.1", port: int = 0) -> RunningServer:
-    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+async def start_server(services: list[Service], host: str = "127.0.0.1", port: int = 0, *,
+                       tls: ServerTls | None = None, auth_token: str | None = None,
+                       health_port: int = -1) -> RunningServer:
+    """Build, bind and start the server (not yet SERVING).
+
+    tls: serve TLS (mutual TLS when it has a client CA) instead of plaintext.
+    auth_token: require `authorization: Bearer <token>` on every call but health and reflection.
+    health_port: also serve health alone, in plaintext, on this port (0 picks one; -1: none).
+    """
+    interceptors = [BearerTokenAuth(auth_token)] if auth_token else []
+    server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=interceptors)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = tuple(s.name for s in services)
@@ -76,23 +99,49 @@ async def start_server(services: list[Service], host: str = "127.0.0.1", port: i
     reflection.enable_server_reflection(
         (*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
          reflection.SERVICE_NAME), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise OSError(f"cannot bind {host}:{port}")
+    bound = _bind(server, host, port, tls)
+    health_server = None
+    if health_port >= 0:
+        # NOTE: plaintext by design: it answers only "SERVING or not", for the kubelet.
+        health_server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, health_server)
+        health_port = _bind(health_server, host, health_port, None)
     await server.start()
-    running = RunningServer(server=server, port=bound, health=health_servicer, names=names)
+    if health_server is not None:
+        await health_server.start()
+    running = RunningServer(server=server, port=bound, health=health_servicer, names=names,
+                            health_server=health_server, health_port=health_port)
     await running.set_serving(False)
     return running
 
 
+def _bind(server: grpc.aio.Server, host: str, port: int, tls: ServerTls | None) -> int:
+    address = f"{host}:{port}"
+    bound: int
+    if tls is None:
+        bound = server.add_insecure_port(address)
+    else:
+        bound = server.add_secure_port(address, server_credentials(tls))
+    if bound == 0:
+        raise OSError(f"cannot bind {address}")
+    return bound
+
+
 async def serve(services: list[Service], label: str, host: str, port: int,
-                grace_s: float = 30.0, metrics_port: int = -1) -> None:
+                grace_s: float = 30.0, metrics_port: int = -1, *, tls: ServerTls | None = None,
+                auth_token: str | None = None, health_port: int = -1) -> None:
     """Run until SIGTERM/SIGINT. Prints one line when listening and one when serving.
 
     metrics_port: serve Prometheus metrics on http://host:metrics_port/metrics (0 picks a
-    free port; negative: no metrics endpoint).
+    free port; negative: no metrics endpoint). tls, auth_token, health_port: as in start_server.
     """
-    running = await start_server(services, host, port)
+    running = await start_server(services, host, port, tls=tls, auth_token=auth_token,
+                                 health_port=health_port)
+    security = ("plaintext" if tls is None else "mutual TLS" if tls.mutual else "TLS") + \
+        (", bearer token required" if auth_token else "")
+    log.info("%s: %s", label, security)
+    if running.health_server is not None:
+        print(f"tandem {label} health (plaintext) on {host}:{running.health_port}", flush=True)
     # Machine-readable: `tandem up` and the tests read the port from this line.
     print(f"tandem {label} listening on {host}:{running.port}", flush=True)
     exporter = metrics.start_metrics_server(host, metrics_port) if metrics_port >= 0 else None
@@ -116,7 +165,7 @@ async def _run_until_signal(services: list[Service], label: str, host: str,
     await asyncio.wait([load, waiter], return_when=asyncio.FIRST_COMPLETED)
     if load.done():
         if load.exception() is not None:
-            await running.server.stop(0)
+            await running.stop(0)
             load.result()  # re-raise the load failure: the process exits non-zero
         await running.set_serving(True)
         print(f"tandem {label} serving on {host}:{running.port}", flush=True)
@@ -125,7 +174,7 @@ async def _run_until_signal(services: list[Service], label: str, host: str,
         load.cancel()
     log.info("%s: draining for up to %.0fs", label, grace_s)
     await running.health.enter_graceful_shutdown()
-    await running.server.stop(grace_s)
+    await running.stop(grace_s)
     log.info("%s: stopped", label)
 
 

@@ -87,14 +87,23 @@ def test_probes_are_grpc_health_checks_on_the_serving_port(manifests: Manifests,
                                                            component: str) -> None:
     container = manifests.container(component)
     env = manifests.env(container)
-    grpc_port = {p["name"]: p["containerPort"] for p in container["ports"]}["grpc"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    grpc_port = ports["grpc"]
     assert int(env["TANDEM_PORT"]) == grpc_port, "the service must listen where probes look"
+    # The kubelet's gRPC probe speaks neither TLS nor tokens: with TLS on, probes go to the
+    # plaintext health-only port.
+    health_port = int(env.get("TANDEM_HEALTH_PORT", -1))
+    if env.get("TANDEM_TLS_CERT"):
+        assert health_port > 0, f"{component} serves TLS: set TANDEM_HEALTH_PORT for the probes"
+    if health_port > 0:
+        assert ports.get("health") == health_port, f"{component}: declare the health port"
+    probe_port = health_port if health_port > 0 else grpc_port
     for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
         probe = container.get(kind)
         assert probe is not None, f"{component}: no {kind}"
         handlers = {"grpc", "exec", "httpGet", "tcpSocket"} & probe.keys()
         assert handlers == {"grpc"}, f"{component} {kind}: use a native gRPC health probe"
-        assert probe["grpc"]["port"] == grpc_port, f"{component} {kind} probes the wrong port"
+        assert probe["grpc"]["port"] == probe_port, f"{component} {kind} probes the wrong port"
     for kind in ("startupProbe", "readinessProbe"):
         assert container[kind]["grpc"].get("service") == PROTO_SERVICES[component]
     startup = container["startupProbe"]
@@ -272,6 +281,37 @@ def test_no_container_runs_as_root_or_can_escalate(manifests: Manifests, compone
         assert {"/tmp", "/cache"} <= mounts, f"{name} mounts {mounts}"
 
 
+# Settings that name files holding keys, certificates or tokens.
+SECRET_FILE_SETTINGS = ("TANDEM_TLS_CERT", "TANDEM_TLS_KEY", "TANDEM_TLS_CLIENT_CA",
+                        "TANDEM_AUTH_TOKEN_FILE", "TANDEM_UPSTREAM_TLS_CA",
+                        "TANDEM_UPSTREAM_TLS_CERT", "TANDEM_UPSTREAM_TLS_KEY")
+
+
+@pytest.mark.parametrize("component", COMPONENTS)
+def test_keys_and_tokens_come_read_only_from_secrets(manifests: Manifests, component: str) -> None:
+    container = manifests.container(component)
+    env = manifests.env(container)
+    volumes = {v["name"]: v for v in manifests.pod(component)["volumes"]}
+    for setting in SECRET_FILE_SETTINGS:
+        path = env.get(setting)
+        if not path:
+            continue
+        mounts = [m for m in container.get("volumeMounts", [])
+                  if path.startswith(m["mountPath"].rstrip("/") + "/")]
+        assert len(mounts) == 1, f"{component}: {setting}={path} is on no (or several) mounts"
+        [mount] = mounts
+        assert mount.get("readOnly") is True, f"{component}: mount {mount['name']} is writable"
+        secret = volumes[mount["name"]].get("secret")
+        assert secret, f"{component}: {setting} must come from a Secret, not {volumes[mount['name']]}"
+        assert secret.get("defaultMode", 0o644) & 0o007 == 0, f"{component}: {mount['name']} is world-readable"
+    if env.get("TANDEM_TLS_CERT") and component != "orchestrator":
+        assert env.get("TANDEM_TLS_CLIENT_CA"), f"{component}: TLS without client certificates"
+    if env.get("TANDEM_TLS_CLIENT_CA") and component != "orchestrator":
+        orchestrator = manifests.env(manifests.container("orchestrator"))
+        assert orchestrator.get("TANDEM_UPSTREAM_TLS_CERT"), \
+            f"{component} requires client certificates the orchestrator does not present"
+
+
 def test_service_links_cannot_shadow_tandem_flags(manifests: Manifests) -> None:
     for component in COMPONENTS:
         assert manifests.pod(component).get("enableServiceLinks") is False, component
@@ -443,10 +483,38 @@ CARELESS: dict[str, tuple[Callable[[Manifests], object], Callable[[Manifests], N
 }
 
 
-@pytest.mark.parametrize("mistake", sorted(CARELESS))
-def test_the_checks_catch_a_careless_deployment(rendered: dict[str, Manifests], mistake: str) -> None:
-    spoil, check = CARELESS[mistake]
-    manifests = Manifests("gpu", copy.deepcopy(rendered["gpu"].docs))
+def _volume(m: Manifests, component: str, name: str) -> Doc:
+    volume: Doc = {v["name"]: v for v in m.pod(component)["volumes"]}[name]
+    return volume
+
+
+# Mistakes only a secured deployment can make: checked on the tls overlay.
+CARELESS_TLS: dict[str, tuple[Callable[[Manifests], object], Callable[[Manifests], None]]] = {
+    "TLS replica probed on its TLS port": (
+        lambda m: m.container("draft")["livenessProbe"]["grpc"].update(port=50051),
+        lambda m: test_probes_are_grpc_health_checks_on_the_serving_port(m, "draft")),
+    "TLS without a plaintext health port": (
+        lambda m: _config(m, "target").pop("TANDEM_HEALTH_PORT"),
+        lambda m: test_probes_are_grpc_health_checks_on_the_serving_port(m, "target")),
+    "key in a ConfigMap": (
+        lambda m: _volume(m, "orchestrator", "client-tls").update(
+            secret=None, configMap={"name": "keys"}),
+        lambda m: test_keys_and_tokens_come_read_only_from_secrets(m, "orchestrator")),
+    "world-readable token": (
+        lambda m: _volume(m, "orchestrator", "token")["secret"].update(defaultMode=0o444),
+        lambda m: test_keys_and_tokens_come_read_only_from_secrets(m, "orchestrator")),
+    "replica TLS without client certificates": (
+        lambda m: _config(m, "draft").pop("TANDEM_TLS_CLIENT_CA"),
+        lambda m: test_keys_and_tokens_come_read_only_from_secrets(m, "draft")),
+}
+
+
+@pytest.mark.parametrize("overlay, mistake", [("gpu", name) for name in sorted(CARELESS)]
+                         + [("tls", name) for name in sorted(CARELESS_TLS)])
+def test_the_checks_catch_a_careless_deployment(rendered: dict[str, Manifests], overlay: str,
+                                                mistake: str) -> None:
+    spoil, check = {**CARELESS, **CARELESS_TLS}[mistake]
+    manifests = Manifests(overlay, copy.deepcopy(rendered[overlay].docs))
     check(manifests)  # passes as shipped
     spoil(manifests)
     with pytest.raises(AssertionError):

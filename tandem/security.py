@@ -1,0 +1,225 @@
+"""Transport security and authentication, in one place.
+
+- `ServerTls` / `server_credentials`: a server's certificate, and with a client CA, mutual
+  TLS (clients must present a certificate that CA signed). `tandem.server.start_server`
+  is the only caller.
+- `ClientTls` / `channel` / `aio_channel`: the only way Tandem opens a gRPC channel, so
+  every caller (the orchestrator's replica pools, the client, the launcher) gets TLS the
+  same way. Plaintext stays the default: no TLS settings, an insecure channel.
+- `BearerTokenAuth`: a server interceptor that lets a call through only with
+  `authorization: Bearer <token>`; health and reflection stay open for probes and tools.
+
+Key and token bytes are kept out of every repr, so logging a config never leaks them.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeAlias
+
+import grpc
+
+from tandem.config import option
+
+log = logging.getLogger(__name__)
+
+AUTHORIZATION = "authorization"
+BEARER = "Bearer "
+# Reachable without a token: Kubernetes probes and grpcurl-style tools do not send one.
+OPEN_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.v1alpha.ServerReflection/",
+                 "/grpc.reflection.v1.ServerReflection/")
+
+
+class SecurityConfigError(ValueError):
+    """TLS or token settings that cannot work (a cert without its key, an empty token...)."""
+
+
+def _read(path: str, what: str) -> bytes:
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise SecurityConfigError(f"cannot read {what} {path!r}: {exc.strerror}") from exc
+    if not data.strip():
+        raise SecurityConfigError(f"{what} {path!r} is empty")
+    return data
+
+
+@dataclass(frozen=True)
+class ServerTls:
+    """A server's certificate chain and key (PEM); with `client_ca`, clients must present a
+    certificate signed by it (mutual TLS)."""
+
+    cert_chain: bytes = field(repr=False)
+    private_key: bytes = field(repr=False)
+    client_ca: bytes | None = field(default=None, repr=False)
+
+    @property
+    def mutual(self) -> bool:
+        return self.client_ca is not None
+
+
+def load_server_tls(cert: str, key: str, client_ca: str = "") -> ServerTls | None:
+    """From file paths; None (plaintext) when none is set."""
+    if not (cert or key or client_ca):
+        return None
+    if not (cert and key):
+        raise SecurityConfigError("TLS needs both --tls-cert and --tls-key"
+                                  + (" (--tls-client-ca alone cannot turn on TLS)" if client_ca else ""))
+    return ServerTls(_read(cert, "--tls-cert"), _read(key, "--tls-key"),
+                     _read(client_ca, "--tls-client-ca") if client_ca else None)
+
+
+def server_credentials(tls: ServerTls) -> grpc.ServerCredentials:
+    return grpc.ssl_server_credentials(
+        [(tls.private_key, tls.cert_chain)], root_certificates=tls.client_ca,
+        require_client_auth=tls.mutual)
+
+
+@dataclass(frozen=True)
+class ClientTls:
+    """What a client trusts (`root_ca`; None: the system roots), the certificate it presents
+    for mutual TLS, and the name to verify the server's certificate against when the address
+    is not that name (replicas found by discovery are dialled by pod IP)."""
+
+    root_ca: bytes | None = field(default=None, repr=False)
+    cert_chain: bytes | None = field(default=None, repr=False)
+    private_key: bytes | None = field(default=None, repr=False)
+    server_name: str = ""
+
+
+def load_client_tls(ca: str = "", cert: str = "", key: str = "", server_name: str = "",
+                    *, enabled: bool = False, flag: str = "--tls") -> ClientTls | None:
+    """From file paths; None (plaintext) unless a path is set or `enabled` (TLS with the
+    system's trusted roots). `flag` prefixes the flag names in error messages."""
+    if not (ca or cert or key or enabled):
+        return None
+    if bool(cert) != bool(key):
+        raise SecurityConfigError(f"a client certificate needs both {flag}-cert and {flag}-key")
+    return ClientTls(
+        root_ca=_read(ca, f"{flag}-ca") if ca else None,
+        cert_chain=_read(cert, f"{flag}-cert") if cert else None,
+        private_key=_read(key, f"{flag}-key") if key else None,
+        server_name=server_name)
+
+
+def _secure(tls: ClientTls, options: Sequence[tuple[str, Any]]
+            ) -> tuple[grpc.ChannelCredentials, list[tuple[str, Any]]]:
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=tls.root_ca, private_key=tls.private_key,
+        certificate_chain=tls.cert_chain)
+    extra = [("grpc.ssl_target_name_override", tls.server_name)] if tls.server_name else []
+    return credentials, [*options, *extra]
+
+
+def channel(address: str, tls: ClientTls | None,
+            options: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:
+    """A blocking channel: TLS when `tls` is set, else plaintext."""
+    if tls is None:
+        return grpc.insecure_channel(address, options=list(options))
+    credentials, secure_options = _secure(tls, options)
+    return grpc.secure_channel(address, credentials, options=secure_options)
+
+
+def aio_channel(address: str, tls: ClientTls | None,
+                options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Channel:
+    """An asyncio channel: TLS when `tls` is set, else plaintext."""
+    if tls is None:
+        return grpc.aio.insecure_channel(address, options=list(options))
+    credentials, secure_options = _secure(tls, options)
+    return grpc.aio.secure_channel(address, credentials, options=secure_options)
+
+
+def read_token(path: str) -> str:
+    """A bearer token from a file (a mounted Kubernetes Secret); surrounding whitespace dropped."""
+    token = _read(path, "--auth-token-file").decode().strip()
+    if any(c.isspace() for c in token) or not token.isprintable():
+        raise SecurityConfigError("--auth-token-file must hold one token without spaces")
+    return token
+
+
+def bearer_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    return ((AUTHORIZATION, BEARER + token),) if token else ()
+
+
+Handler: TypeAlias = Any  # grpc.RpcMethodHandler (grpc ships no type information)
+Continuation = Callable[[grpc.HandlerCallDetails], Awaitable[Handler | None]]
+
+
+class BearerTokenAuth(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Lets a call through only with `authorization: Bearer <token>`, except OPEN_SERVICES.
+
+    Denied calls end UNAUTHENTICATED before the request is read. Neither the expected nor
+    the presented token is ever logged.
+    """
+
+    def __init__(self, token: str) -> None:
+        if not token:
+            raise SecurityConfigError("an empty bearer token would let everyone in")
+        self._expected = token.encode()
+
+    def _refusal(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> str | None:
+        values = [v for k, v in metadata or () if k == AUTHORIZATION]
+        if not values:
+            return ("missing bearer token: send the metadata 'authorization: Bearer <token>' "
+                    "(tandem generate --auth-token-file)")
+        value = values[0]
+        presented = value.encode() if isinstance(value, str) else value
+        if len(values) > 1 or not presented.startswith(BEARER.encode()):
+            return "malformed authorization metadata: expected one 'Bearer <token>'"
+        if not hmac.compare_digest(presented[len(BEARER):], self._expected):
+            return "invalid bearer token"
+        return None
+
+    async def intercept_service(self, continuation: Continuation,
+                                handler_call_details: grpc.HandlerCallDetails) -> Handler | None:
+        method: str = handler_call_details.method
+        if method.startswith(OPEN_SERVICES):
+            return await continuation(handler_call_details)
+        refusal = self._refusal(handler_call_details.invocation_metadata)
+        if refusal is None:
+            return await continuation(handler_call_details)
+        log.warning("refused %s: %s", method, refusal)
+        handler = await continuation(handler_call_details)
+        return None if handler is None else _denying(handler, refusal)
+
+
+def _denying(handler: Handler, message: str) -> Handler:
+    """A handler of the same shape as `handler` that ends every call UNAUTHENTICATED."""
+
+    async def deny(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    async def deny_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        yield  # pragma: no cover  (an async generator, as streaming handlers are)
+
+    codecs = {"request_deserializer": handler.request_deserializer,
+              "response_serializer": handler.response_serializer}
+    if handler.request_streaming and handler.response_streaming:
+        denying = grpc.stream_stream_rpc_method_handler(deny_stream, **codecs)
+    elif handler.request_streaming:
+        denying = grpc.stream_unary_rpc_method_handler(deny, **codecs)
+    elif handler.response_streaming:
+        denying = grpc.unary_stream_rpc_method_handler(deny_stream, **codecs)
+    else:
+        denying = grpc.unary_unary_rpc_method_handler(deny, **codecs)
+    return denying
+
+
+@dataclass(frozen=True)
+class ServerSecurityConfig:
+    """The TLS settings every service has; each service's config extends this."""
+
+    tls_cert: str = option("", "PEM certificate chain to serve TLS with (empty: plaintext)")
+    tls_key: str = option("", "PEM private key of --tls-cert")
+    tls_client_ca: str = option("", "PEM CA bundle: require client certificates it signed "
+                                "(mutual TLS); needs --tls-cert")
+    health_port: int = option(-1, "also serve gRPC health alone, in plaintext, on this port, for "
+                              "probes that cannot speak TLS (kubelet); 0 picks one, -1: none")
+
+    def server_tls(self) -> ServerTls | None:
+        return load_server_tls(self.tls_cert, self.tls_key, self.tls_client_ca)
