@@ -12,13 +12,17 @@ the orchestrator owns, so it costs no round trip and no replica, and can back a 
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Protocol
 
 from orchestrator.remote import EMPTY_BLOCK, DraftBlock, DraftSession
-from tandem import sampling
+from tandem import metrics, sampling
+from tandem.errors import ResourceExhausted, Unavailable
 from tandem.v1 import common_pb2
+
+log = logging.getLogger(__name__)
 
 
 class Proposer(Protocol):
@@ -46,6 +50,7 @@ class DraftModelProposer:
     session: DraftSession
     max_support_size: int
     kind: int = common_pb2.PROPOSER_DRAFT_MODEL
+    lost: bool = False  # every draft replica failed: the request goes on with the target alone
 
     @property
     def wire_bytes(self) -> int:
@@ -53,8 +58,19 @@ class DraftModelProposer:
 
     async def get_candidates(self, history: list[int], num_speculative_tokens: int,
                              params: sampling.SamplingParams, seed: int) -> DraftBlock:
-        return await self.session.propose(history, num_speculative_tokens, params,
-                                          self.max_support_size, seed)
+        if self.lost:
+            return EMPTY_BLOCK
+        try:
+            return await self.session.propose(history, num_speculative_tokens, params,
+                                              self.max_support_size, seed)
+        except (Unavailable, ResourceExhausted) as exc:
+            # The draft only ever changes speed: without one, the target decodes alone, exactly.
+            log.warning("session %s: no draft replica left (%s); going on with the target alone",
+                        self.session.session_id, exc)
+            metrics.DRAFT_FALLBACKS.inc()
+            self.lost = True
+            await self.session.close()
+            return EMPTY_BLOCK
 
     def update_candidate_strategy(self, block: DraftBlock, accepted: int, history_length: int) -> None:
         # Of what the draft's cache now holds, only the prefix that became history stays valid.

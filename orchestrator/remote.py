@@ -9,17 +9,20 @@ history tokens after it. Rebuilding a lost cache is therefore just `synced = 0`.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 import grpc
 
-from tandem import sampling
-from tandem.errors import DeadlineExceeded, Unavailable
+from tandem import metrics, sampling
+from tandem.errors import DeadlineExceeded, ResourceExhausted, Unavailable
 from tandem.security import ClientTls, aio_channel
 from tandem.server import CHANNEL_OPTIONS
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -32,14 +35,25 @@ class Replica:
     terminating: bool = False
     removed: bool = False
     channel: Any = field(default=None, repr=False)
+    # Set when a session on it broke: new sessions avoid it until then (event-loop time).
+    failed_until: float = 0.0
+
+
+# A replica that broke a session is avoided this long; a restarted one is found again soon
+# after, as the channel retries its connection at most this often.
+FAILED_COOLDOWN_S = 5.0
+RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200),
+                     ("grpc.min_reconnect_backoff_ms", 200),
+                     ("grpc.max_reconnect_backoff_ms", 2000)]
 
 
 def _channel_options(address: str) -> list[tuple[str, Any]]:
+    options: list[tuple[str, Any]] = [*CHANNEL_OPTIONS, *RECONNECT_OPTIONS]
     if address.startswith("dns:"):
         # A dns:/// name of a headless Service resolves to every pod; round_robin spreads
         # streams (sessions) over them, where the default pick_first would send all to one.
-        return [*CHANNEL_OPTIONS, ("grpc.lb_policy_name", "round_robin")]
-    return list(CHANNEL_OPTIONS)
+        options.append(("grpc.lb_policy_name", "round_robin"))
+    return options
 
 
 class ReplicaPool:
@@ -53,6 +67,7 @@ class ReplicaPool:
     def __init__(self, addresses: Sequence[str], stub_class: type,
                  tls: ClientTls | None = None) -> None:
         self.stub_class = stub_class
+        self.service = stub_class.__name__.removesuffix("ServiceStub").lower()  # "draft", "target"
         self.tls = tls
         self.replicas: list[Replica] = []
         self._closing: set[asyncio.Task[None]] = set()
@@ -94,14 +109,26 @@ class ReplicaPool:
             self._close(replica)
 
     def acquire(self) -> Replica:
+        """The least-loaded routable replica, preferring ones that have not just failed."""
         routable = [r for r in self.replicas if not r.terminating]
         if not routable:
             state = (f"{len(self.replicas)} known, all terminating" if self.replicas
                      else "none discovered yet")
             raise Unavailable(f"no replica is ready to take a new session ({state})")
-        replica = min(routable, key=lambda r: r.active_sessions)
+        now = asyncio.get_running_loop().time()
+        healthy = [r for r in routable if r.failed_until <= now]
+        replica = min(healthy or routable, key=lambda r: (r.failed_until, r.active_sessions))
         replica.active_sessions += 1
         return replica
+
+    @property
+    def healthy(self) -> bool:
+        """Whether some routable replica has not just failed."""
+        now = asyncio.get_running_loop().time()
+        return any(not r.terminating and r.failed_until <= now for r in self.replicas)
+
+    def mark_failed(self, replica: Replica) -> None:
+        replica.failed_until = asyncio.get_running_loop().time() + FAILED_COOLDOWN_S
 
     def release(self, replica: Replica) -> None:
         replica.active_sessions -= 1
@@ -140,42 +167,89 @@ class DraftBlock:
 EMPTY_BLOCK = DraftBlock((), (), (), 0, 0.0)
 
 
+# After these, the session is rebuilt from the history, on another replica when one is
+# healthy: the replica died, restarted or is shutting down (UNAVAILABLE, CANCELLED), evicted
+# the session's cache (NOT_FOUND), lost track of it (OUT_OF_RANGE), or is full.
+_REBUILD = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED,
+                      grpc.StatusCode.NOT_FOUND, grpc.StatusCode.OUT_OF_RANGE,
+                      grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED})
+# ...of which these say the replica itself is up, so it is not avoided afterwards.
+_REPLICA_ALIVE = frozenset({grpc.StatusCode.NOT_FOUND, grpc.StatusCode.OUT_OF_RANGE,
+                            grpc.StatusCode.RESOURCE_EXHAUSTED})
+
+
 @dataclass
 class RemoteSession:
-    """One stream to one replica. Not safe for concurrent steps (one session, one step at a time)."""
+    """One session's stream to one replica, rebuilt elsewhere if it is lost.
+
+    Not safe for concurrent steps (one session, one step at a time). `deadline` is the
+    request's (event-loop time) and bounds every call; `retry_s` is how long a lost session
+    keeps waiting for some replica to take it over (a restart), once every replica was tried.
+    """
 
     pool: ReplicaPool
     session_id: str
-    timeout_s: float | None
+    deadline: float | None
+    retry_s: float = 0.0
     synced: int = 0
     wire_bytes: int = 0
+    rebuilds: int = 0
     replica: Replica | None = None
     _call: Any = field(default=None, repr=False)
 
     def _open(self, method: str) -> Any:
         if self._call is None:
             self.replica = self.pool.acquire()
-            self._call = getattr(self.replica.stub, method)(timeout=self.timeout_s)
+            timeout = (None if self.deadline is None
+                       else max(0.0, self.deadline - asyncio.get_running_loop().time()))
+            self._call = getattr(self.replica.stub, method)(timeout=timeout)
         return self._call
 
-    async def _step(self, method: str, request: Any) -> Any:
-        call = self._open(method)
-        self.wire_bytes += request.ByteSize()
-        where = self.replica.address if self.replica else "?"
-        try:
-            await call.write(request)
-            response = await call.read()
-        except grpc.aio.AioRpcError as exc:
-            # Callers see what went wrong downstream, never a bare UNKNOWN.
-            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                raise DeadlineExceeded("the request's deadline passed while generating") from exc
-            raise Unavailable(f"{method} on replica {where} failed: {exc.code().name}: "
-                              f"{exc.details()}") from exc
-        if response is grpc.aio.EOF:
-            # The server ended the stream without a status: treat as a lost replica.
-            raise Unavailable(f"replica {where} closed the session")
-        self.wire_bytes += response.ByteSize()
-        return response
+    async def _step(self, method: str, build: Callable[[int], Any]) -> Any:
+        """Send the step `build(synced)`; if the session is lost, rebuild it from the history.
+
+        The history is the orchestrator's, and a step's seed fixes its draws, so resending a
+        step from cache position 0 on any replica gives exactly the answer the lost one would.
+        """
+        loop = asyncio.get_running_loop()
+        give_up, backoff, attempts = loop.time() + self.retry_s, 0.05, 0
+        while True:
+            call = self._open(method)
+            where = self.replica.address if self.replica else "?"
+            request = build(self.synced)
+            self.wire_bytes += request.ByteSize()
+            try:
+                await call.write(request)
+                response = await call.read()
+            except grpc.aio.AioRpcError as exc:
+                # Callers see what went wrong downstream, never a bare UNKNOWN.
+                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise DeadlineExceeded("the request's deadline passed while generating") from exc
+                if exc.code() not in _REBUILD:
+                    raise Unavailable(f"{method} on replica {where} failed: {exc.code().name}: "
+                                      f"{exc.details()}") from exc
+                code, problem = exc.code(), f"{exc.code().name}: {exc.details()}"
+            else:
+                if response is not grpc.aio.EOF:
+                    self.wire_bytes += response.ByteSize()
+                    return response
+                code, problem = grpc.StatusCode.UNAVAILABLE, "the stream ended without a status"
+            failed = self.replica
+            await self.close()
+            if failed is not None and code not in _REPLICA_ALIVE:
+                self.pool.mark_failed(failed)
+            self.synced, attempts = 0, attempts + 1
+            if attempts > len(self.pool.replicas) and loop.time() >= give_up:
+                error = ResourceExhausted if code == grpc.StatusCode.RESOURCE_EXHAUSTED else Unavailable
+                raise error(f"{method} on replica {where} failed ({problem}); no replica could "
+                            f"take the session over after {attempts} attempts")
+            self.rebuilds += 1
+            metrics.SESSION_REBUILDS.labels(self.pool.service).inc()
+            log.warning("session %s lost on %s replica %s (%s): rebuilding it from the history",
+                        self.session_id, self.pool.service, where, problem)
+            if not self.pool.healthy:
+                await asyncio.sleep(backoff)
+                backoff = min(2 * backoff, 1.0)
 
     def advance(self, cache_length: int, valid_length: int) -> None:
         """After a step: the cache holds `cache_length` tokens, of which `valid_length` are history."""
@@ -193,9 +267,9 @@ class RemoteSession:
 class DraftSession(RemoteSession):
     async def propose(self, history: list[int], num_speculative_tokens: int,
                       params: sampling.SamplingParams, max_support_size: int, seed: int) -> DraftBlock:
-        response = await self._step("ProposeBlocks", draft_pb2.ProposeBlocksRequest(
-            session_id=self.session_id, cache_position=self.synced,
-            new_token_ids=history[self.synced:], num_speculative_tokens=num_speculative_tokens,
+        response = await self._step("ProposeBlocks", lambda synced: draft_pb2.ProposeBlocksRequest(
+            session_id=self.session_id, cache_position=synced,
+            new_token_ids=history[synced:], num_speculative_tokens=num_speculative_tokens,
             sampling=_sampling_proto(params), max_support_size=max_support_size, seed=seed))
         dists = tuple(response.distributions)
         probs = tuple(d.probs[list(d.token_ids).index(t)] for t, d in zip(response.token_ids, dists))
@@ -219,9 +293,9 @@ class TargetSession(RemoteSession):
 
     async def score(self, history: list[int], block: DraftBlock,
                     params: sampling.SamplingParams, seed: int) -> TargetScores:
-        response = await self._step("ScoreBlocks", target_pb2.ScoreBlocksRequest(
-            session_id=self.session_id, cache_position=self.synced,
-            new_token_ids=history[self.synced:], draft_token_ids=block.token_ids,
+        response = await self._step("ScoreBlocks", lambda synced: target_pb2.ScoreBlocksRequest(
+            session_id=self.session_id, cache_position=synced,
+            new_token_ids=history[synced:], draft_token_ids=block.token_ids,
             draft_distributions=block.distributions, sampling=_sampling_proto(params), seed=seed,
             target_proposer=cast(common_pb2.Proposer, self.proposer)))
         scored = sampling.ScoredBlock(tuple(response.target_probs),

@@ -85,6 +85,9 @@ class OrchestratorConfig(ServerSecurityConfig):
     prompt_lookup_max_ngram: int = option(3, "prompt lookup: longest n-gram matched (tried first)")
     max_new_tokens_cap: int = option(4096, "largest max_new_tokens a request may ask for")
     default_max_new_tokens: int = option(256, "max_new_tokens when a request leaves it unset")
+    replica_retry_s: float = option(10.0, "how long a request whose target session was lost waits "
+                                    "for a target replica to rebuild it on (e.g. a restart), once "
+                                    "every replica was tried")
     replica_wait_s: float = option(600.0, "how long start-up waits for replicas to be SERVING")
     grace_s: float = option(30.0, "seconds to drain in-flight streams on SIGTERM")
     metrics_port: int = option(-1, "port for Prometheus metrics over HTTP (0 picks a free one; "
@@ -271,7 +274,7 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
             raise ReplicaRejected(problem)
 
     def _orchestrator_proposer(self, kind: int, drafts: ReplicaPool | None, session_id: str,
-                               timeout: float | None) -> Proposer | None:
+                               deadline: float | None) -> Proposer | None:
         """The proposer run here for `kind`, or None when the target decodes (or proposes) alone.
 
         With discovery, every draft replica can be gone or draining at once (a rollout, the
@@ -285,7 +288,7 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
             return None
         if drafts.ready:
             self._draftless = False
-            return DraftModelProposer(DraftSession(drafts, session_id, timeout),
+            return DraftModelProposer(DraftSession(drafts, session_id, deadline),
                                       self.config.max_support_size)
         if not self._draftless:
             log.warning("no draft replica is ready: decoding with the target alone until one is")
@@ -361,12 +364,14 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         gen, stops = self._validate(request)
         drafts, targets = await self._pools()
         remaining = context.time_remaining()
-        timeout = remaining if remaining is not None and math.isfinite(remaining) else None
+        deadline = (asyncio.get_running_loop().time() + remaining
+                    if remaining is not None and math.isfinite(remaining) else None)
         session_id = uuid.uuid4().hex
-        proposer = self._orchestrator_proposer(gen.proposer, drafts, session_id, timeout)
+        proposer = self._orchestrator_proposer(gen.proposer, drafts, session_id, deadline)
         target_proposer = (gen.proposer if gen.proposer in (common_pb2.PROPOSER_LOOKAHEAD,
                                                             common_pb2.PROPOSER_MEDUSA) else 0)
-        target = TargetSession(targets, session_id, timeout, proposer=target_proposer)
+        target = TargetSession(targets, session_id, deadline, retry_s=self.config.replica_retry_s,
+                               proposer=target_proposer)
         text = TextStream(self.tokenizer, stops)
         usage = Usage()
         reason: FinishReason = orchestrator_pb2.FINISH_REASON_LENGTH

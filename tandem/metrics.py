@@ -64,6 +64,12 @@ RECOVERED_TOKENS = Counter("tandem_recovered_tokens",
                            "Tokens the target resampled at the first rejected draft position.")
 DRAFTLESS_REQUESTS = Counter("tandem_draftless_requests",
                              "Requests decoded by the target alone: no draft replica was ready.")
+SESSION_REBUILDS = Counter("tandem_session_rebuilds",
+                           "Sessions rebuilt from the history after a replica lost them (died, "
+                           "restarted, evicted the KV cache), by service.", ["service"])
+DRAFT_FALLBACKS = Counter("tandem_draft_fallbacks",
+                          "Requests that went on with the target alone after losing every draft "
+                          "replica mid-request.")
 TARGET_ONLY_STEPS = Counter("tandem_target_only_steps",
                             "Steps without a drafted block (prefill, k=0, or no draft replica).")
 ACCEPTED_PER_STEP = Histogram("tandem_accepted_tokens_per_step",

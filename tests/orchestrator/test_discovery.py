@@ -721,7 +721,8 @@ def test_static_addresses_and_dns_names_still_work(tokenizer_dir: Path) -> None:
         ip = await replicas.start(FakeTarget(model_info(tokenizer_dir)))
         pool = ReplicaPool([f"{ip}:{replicas.port}", f"dns:///{ip}:{replicas.port}"], TARGET_STUB)
         try:
-            sessions = [TargetSession(pool, f"s{i}", timeout_s=WAIT_S) for i in range(2)]
+            deadline = asyncio.get_running_loop().time() + WAIT_S
+            sessions = [TargetSession(pool, f"s{i}", deadline) for i in range(2)]
             params = sampling.SamplingParams(temperature=0.0)
             for session in sessions:  # least-loaded: one session on each replica
                 scores = await session.score([7, 8, 9], EMPTY_BLOCK, params, seed=1)

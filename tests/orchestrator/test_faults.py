@@ -1,0 +1,165 @@
+"""Faults with real processes: replicas killed, restarted or drained mid-request, and deadlines.
+
+The orchestrator's history is the source of truth and the services' caches are soft
+state, so every fault below ends with the same tokens as an undisturbed run (greedy), or
+with a clear status after the tokens already committed, never a gap or a repeat.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from tiny import PROMPTS
+
+from tandem.launch import Process, Stack, spawn, start_stack, wait_serving
+
+LENGTH = 300  # long enough that a fault lands mid-request
+
+
+def respawn(process: Process, role: str, model: Path) -> Process:
+    """Start `role` again on the port `process` had."""
+    port = int(process.address.rsplit(":", 1)[1])
+    again = spawn([role, "--model", str(model), "--dtype", "float32", "--threads", "1"], port=port)
+    wait_serving(again)
+    return again
+
+
+def stream_with_fault(stack: Stack, fault: Callable[[], None], **kwargs: object) -> tuple[list[int], object]:
+    """Stream PROMPTS[0]; run `fault` once the first tokens arrive. Returns (tokens, summary or error)."""
+    tokens: list[int] = []
+    with stack.client() as client:
+        try:
+            for message in client.generate_stream(PROMPTS[0], max_new_tokens=LENGTH, ignore_eos=True,
+                                                  **kwargs):  # type: ignore[arg-type]
+                if message.HasField("delta"):
+                    if not tokens:
+                        fault()
+                    tokens.extend(message.delta.token_ids)
+                else:
+                    return tokens, message.summary
+        except grpc.RpcError as exc:
+            return tokens, exc
+    raise AssertionError("the stream ended without a summary")
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting until {what}")
+        time.sleep(0.2)
+
+
+@pytest.fixture
+def two_of_each(tiny_draft: Path, tiny_target: Path) -> Iterator[Stack]:
+    stack = start_stack(str(tiny_draft), str(tiny_target), num_drafts=2, num_targets=2)
+    yield stack
+    stack.stop()
+
+
+@pytest.fixture
+def one_of_each(tiny_draft: Path, tiny_target: Path) -> Iterator[Stack]:
+    stack = start_stack(str(tiny_draft), str(tiny_target),
+                        orchestrator_args=["--replica-retry-s", "60"])
+    yield stack
+    stack.stop()
+
+
+def test_draft_killed_mid_request_moves_to_the_other_draft(two_of_each: Stack, reference) -> None:  # type: ignore[no-untyped-def]
+    victim = two_of_each.drafts[0]
+    tokens, summary = stream_with_fault(two_of_each, lambda: victim.proc.send_signal(signal.SIGKILL),
+                                        num_speculative_tokens=4)
+    assert tokens == reference(PROMPTS[0], LENGTH)
+    assert summary.usage.completion_tokens == LENGTH  # type: ignore[attr-defined]
+    # The first session went to the first replica (least loaded, in order), so it was rebuilt.
+    assert any("lost on draft replica" in line for line in two_of_each.orchestrator.lines)
+    assert summary.usage.drafted_tokens > 0  # type: ignore[attr-defined]
+
+
+def test_target_killed_mid_request_is_rebuilt_on_the_other_target(two_of_each: Stack, reference) -> None:  # type: ignore[no-untyped-def]
+    # The first session goes to the first replica (least loaded, in order): kill it. The
+    # output must still be the undisturbed run's, token for token, with no gap or repeat.
+    tokens, summary = stream_with_fault(
+        two_of_each, lambda: two_of_each.targets[0].proc.send_signal(signal.SIGKILL),
+        num_speculative_tokens=4)
+    assert tokens == reference(PROMPTS[0], LENGTH)
+    assert summary.usage.completion_tokens == LENGTH  # type: ignore[attr-defined]
+    assert any("lost on target replica" in line for line in two_of_each.orchestrator.lines)
+    # The orchestrator keeps serving on the survivor.
+    with two_of_each.client() as client:
+        again = client.generate(PROMPTS[1], max_new_tokens=20, ignore_eos=True)
+    assert len(again.token_ids) == 20
+
+
+def test_last_draft_killed_falls_back_to_the_target_then_returns(one_of_each: Stack, reference,  # type: ignore[no-untyped-def]
+                                                                 tiny_draft: Path) -> None:
+    draft = one_of_each.drafts[0]
+    tokens, _summary = stream_with_fault(one_of_each, lambda: draft.proc.send_signal(signal.SIGKILL),
+                                        num_speculative_tokens=4)
+    assert tokens == reference(PROMPTS[0], LENGTH)
+    assert any("going on with the target alone" in line for line in one_of_each.orchestrator.lines)
+    # The draft comes back on the same address: new requests use it again.
+    one_of_each.drafts[0] = respawn(draft, "draft-service", tiny_draft)
+    with one_of_each.client() as client:
+        def drafting() -> bool:
+            reply = client.generate(PROMPTS[1], max_new_tokens=20, num_speculative_tokens=4, ignore_eos=True)
+            assert list(reply.token_ids) == reference(PROMPTS[1], 20)
+            return reply.usage.drafted_tokens > 0
+        wait_for(drafting, "requests draft again on the restarted draft replica")
+
+
+def test_target_restart_mid_request_is_rebuilt_transparently(one_of_each: Stack, reference,  # type: ignore[no-untyped-def]
+                                                             tiny_target: Path) -> None:
+    target = one_of_each.targets[0]
+
+    def restart() -> None:
+        target.proc.send_signal(signal.SIGKILL)
+        target.proc.wait()
+        one_of_each.targets[0] = respawn(target, "target-service", tiny_target)
+
+    tokens, summary = stream_with_fault(one_of_each, restart, num_speculative_tokens=4)
+    assert tokens == reference(PROMPTS[0], LENGTH)
+    assert summary.usage.completion_tokens == LENGTH  # type: ignore[attr-defined]
+    assert any("rebuilding it from the history" in line for line in one_of_each.orchestrator.lines)
+
+
+def test_no_target_left_ends_with_unavailable_after_the_committed_tokens(
+        tiny_draft: Path, tiny_target: Path, reference) -> None:  # type: ignore[no-untyped-def]
+    stack = start_stack(str(tiny_draft), str(tiny_target), orchestrator_args=["--replica-retry-s", "1"])
+    try:
+        tokens, error = stream_with_fault(stack, lambda: stack.targets[0].proc.send_signal(signal.SIGKILL),
+                                          num_speculative_tokens=4)
+        assert isinstance(error, grpc.RpcError)
+        assert error.code() == grpc.StatusCode.UNAVAILABLE, error.details()
+        assert "no replica could take the session over" in error.details()
+        assert 0 < len(tokens) < LENGTH
+        assert tokens == reference(PROMPTS[0], LENGTH)[:len(tokens)]  # a prefix: no gap, no repeat
+    finally:
+        stack.stop()
+
+
+def test_deadline_ends_with_deadline_exceeded_after_the_tokens_produced(one_of_each: Stack, reference) -> None:  # type: ignore[no-untyped-def]
+    tokens: list[int] = []
+    with one_of_each.client() as client, pytest.raises(grpc.RpcError) as raised:
+        # ~490 one-token steps through three processes take several seconds here.
+        for message in client.generate_stream(PROMPTS[0], max_new_tokens=490, ignore_eos=True,
+                                              num_speculative_tokens=0, timeout=1.0):
+            tokens.extend(message.delta.token_ids)
+    assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert 0 < len(tokens) < 490
+    assert tokens == reference(PROMPTS[0], len(tokens))
+
+
+def test_sigterm_drains_in_flight_streams_then_exits_zero(one_of_each: Stack, reference) -> None:  # type: ignore[no-untyped-def]
+    target = one_of_each.targets[0]
+    tokens, summary = stream_with_fault(one_of_each, lambda: target.proc.send_signal(signal.SIGTERM),
+                                        num_speculative_tokens=4)
+    # The stream that was in flight finishes, undisturbed; then the process exits 0.
+    assert tokens == reference(PROMPTS[0], LENGTH)
+    assert summary.usage.completion_tokens == LENGTH  # type: ignore[attr-defined]
+    assert target.proc.wait(timeout=60) == 0
