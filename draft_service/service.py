@@ -29,7 +29,8 @@ class DraftService(ModelServicer, draft_pb2_grpc.DraftServiceServicer):
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[draft_pb2.ProposeBlocksResponse]:
         model = self.host.ready_model()
-        async for session, request in self.host.session_stream(request_iterator):
+        async for session, request in self.host.session_stream(
+                request_iterator, lambda r: r.num_speculative_tokens):
             step = step_from(request, session)
             k = request.num_speculative_tokens
             if k > MAX_SPECULATIVE_TOKENS:

@@ -239,7 +239,8 @@ class RemoteSession:
             if failed is not None and code not in _REPLICA_ALIVE:
                 self.pool.mark_failed(failed)
             self.synced, attempts = 0, attempts + 1
-            if attempts > len(self.pool.replicas) and loop.time() >= give_up:
+            # Every replica had a chance; only a dead one (which may restart) is waited for.
+            if attempts > len(self.pool.replicas) and (code in _REPLICA_ALIVE or loop.time() >= give_up):
                 error = ResourceExhausted if code == grpc.StatusCode.RESOURCE_EXHAUSTED else Unavailable
                 raise error(f"{method} on replica {where} failed ({problem}); no replica could "
                             f"take the session over after {attempts} attempts")

@@ -23,6 +23,12 @@ class CacheMismatch(TandemError):
     code = grpc.StatusCode.OUT_OF_RANGE
 
 
+class SessionEvicted(TandemError):
+    """The session's KV cache was evicted to make room; the caller resends its history."""
+
+    code = grpc.StatusCode.NOT_FOUND
+
+
 class ResourceExhausted(TandemError):
     """A configured limit was hit; the message names the limit."""
 

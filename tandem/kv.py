@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from tandem.errors import CacheMismatch, InvalidRequest, ResourceExhausted
+from tandem.errors import CacheMismatch, InvalidRequest, ResourceExhausted, SessionEvicted
 from tandem.models import CausalLM
 
 
@@ -56,6 +56,12 @@ class KVSession:
     # A proposer's per-session soft state (Medusa's next candidates, Lookahead's window and
     # n-gram pool); like the cache, it may be lost at any time and is rebuilt as it goes.
     proposer_state: dict[str, Any] = field(default_factory=dict)
+    # Budget bookkeeping (SessionTable): tokens this session may hold after its current step,
+    # when it was last used, whether a step of it is in flight, whether its cache was evicted.
+    reserved: int = 0
+    last_used: int = 0
+    busy: bool = False
+    evicted: bool = False
 
     @property
     def length(self) -> int:
@@ -63,6 +69,11 @@ class KVSession:
 
     def rollback(self, cache_position: int) -> None:
         """Drop cached tokens past `cache_position`."""
+        if self.evicted and cache_position > 0:
+            raise SessionEvicted(
+                f"session {self.session_id}'s KV cache was evicted to make room for other "
+                "sessions (--kv-budget-tokens); resend its history from cache_position 0")
+        self.evicted = False
         if cache_position > self.length:
             raise CacheMismatch(
                 f"cache_position {cache_position} is beyond the session's cache length "
@@ -74,6 +85,12 @@ class KVSession:
         elif cache_position < self.length:
             # transformers 5.x: crop() takes the (negative) number of tokens to remove.
             self.cache.crop(cache_position - self.length)
+
+    def evict(self) -> None:
+        """Free the cache; the session's next step must rebuild it from cache_position 0."""
+        self.cache = DynamicCache()
+        self.proposer_state.clear()
+        self.evicted = True
 
     def check_tokens(self, field_name: str, token_ids: list[int]) -> None:
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
@@ -123,15 +140,27 @@ class KVSession:
 
 
 class SessionTable:
-    """Live sessions of one service, bounded by `max_sessions`."""
+    """Live sessions of one service, bounded by `max_sessions` and a KV budget in tokens.
 
-    def __init__(self, max_sessions: int) -> None:
+    Before a step, `reserve` claims what the session will hold after it. When the claims
+    exceed the budget, idle sessions' caches are evicted, least recently used first; an
+    evicted session's next step gets NOT_FOUND and the orchestrator rebuilds it from its
+    history. A step that cannot fit even so gets RESOURCE_EXHAUSTED, never an out-of-memory kill.
+    """
+
+    def __init__(self, max_sessions: int, kv_budget_tokens: int = 0) -> None:
         self.max_sessions = max_sessions
+        self.kv_budget_tokens = kv_budget_tokens  # 0: no budget
         self._sessions: dict[int, KVSession] = {}
         self._next = 0
+        self._clock = 0
 
     def __len__(self) -> int:
         return len(self._sessions)
+
+    @property
+    def cached_tokens(self) -> int:
+        return sum(s.length for s in self._sessions.values())
 
     def open(self, session_id: str, vocab_size: int) -> tuple[int, KVSession]:
         if len(self._sessions) >= self.max_sessions:
@@ -143,6 +172,37 @@ class SessionTable:
         session = KVSession(session_id=session_id, vocab_size=vocab_size)
         self._sessions[self._next] = session
         return self._next, session
+
+    def reserve(self, session: KVSession, tokens: int) -> None:
+        """Claim room for `session` to hold `tokens` after its next step, evicting if need be."""
+        self._clock += 1
+        session.last_used = self._clock
+        session.reserved = tokens
+        budget = self.kv_budget_tokens
+        if not budget:
+            return
+        if tokens > budget:
+            raise ResourceExhausted(
+                f"this step needs {tokens} cached tokens but the replica's KV budget is {budget} "
+                "(--kv-budget-tokens); shorten the prompt or max_new_tokens")
+        claimed = sum(max(s.reserved, s.length) for s in self._sessions.values())
+        idle = sorted((s for s in self._sessions.values() if s is not session and not s.busy
+                       and s.length), key=lambda s: s.last_used)
+        for victim in idle:
+            if claimed <= budget:
+                break
+            claimed -= max(victim.reserved, victim.length)
+            victim.evict()
+            victim.reserved = 0
+        if claimed > budget:
+            session.reserved = session.length
+            raise ResourceExhausted(
+                f"the replica's KV budget ({budget} tokens, --kv-budget-tokens) is held by steps "
+                "in flight; retry, or add replicas")
+
+    def settle(self, session: KVSession) -> None:
+        """After a step: the session holds what its cache holds."""
+        session.reserved = session.length
 
     def close(self, handle: int) -> None:
         self._sessions.pop(handle, None)

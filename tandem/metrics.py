@@ -193,9 +193,8 @@ class ReplicaMetrics:
         self.sessions.inc()
         self.sessions_active.inc()
 
-    def session_closed(self, cached_tokens: int) -> None:
+    def session_closed(self) -> None:
         self.sessions_active.dec()
-        self.kv_cached_tokens.dec(cached_tokens)
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
@@ -208,8 +207,8 @@ class ReplicaMetrics:
             self.steps_in_flight.dec()
             self.step_seconds.observe(time.perf_counter() - started)
 
-    def kv_changed(self, delta_tokens: int) -> None:
-        self.kv_cached_tokens.inc(delta_tokens)
+    def kv_total(self, tokens: int) -> None:
+        self.kv_cached_tokens.set(tokens)
 
 
 @dataclass

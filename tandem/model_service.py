@@ -48,6 +48,10 @@ class ModelServiceConfig(ServerSecurityConfig):
                            "changes acceptance, never the output")
     threads: int = option(0, "torch intra-op threads (0: torch's default)")
     max_sessions: int = option(256, "most concurrent sessions (streams) on this replica")
+    kv_budget_tokens: int = option(0, "most tokens held in KV caches over all sessions; when a step "
+                                   "needs room, idle sessions' caches are evicted least recently "
+                                   "used first and rebuilt from history on their next step (0: "
+                                   "no budget; the log gives the bytes per token)")
     grace_s: float = option(30.0, "seconds to drain in-flight streams on SIGTERM")
     metrics_port: int = option(-1, "port for Prometheus metrics over HTTP (0 picks a free one; "
                                "-1: none)")
@@ -67,7 +71,7 @@ class ModelHost:
         self.config = config
         self.model: models.CausalLM | None = None
         self.info: common_pb2.ModelInfo | None = None
-        self.sessions = SessionTable(config.max_sessions)
+        self.sessions = SessionTable(config.max_sessions, config.kv_budget_tokens)
         self.metrics = ReplicaMetrics.for_model(config.model, config.max_sessions)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
 
@@ -89,9 +93,10 @@ class ModelHost:
             device=str(getattr(model, "hf_device_map", None) or self.config.device),
         )
         self.model = model
-        log.info("loaded %s on %s (%s) in %.1fs, %d threads", self.config.model,
-                 self.info.device, self.config.dtype, time.perf_counter() - started,
-                 torch.get_num_threads())
+        log.info("loaded %s on %s (%s) in %.1fs, %d threads; KV cache: %d bytes per token, budget %s",
+                 self.config.model, self.info.device, self.config.dtype,
+                 time.perf_counter() - started, torch.get_num_threads(),
+                 models.kv_bytes_per_token(model), self.config.kv_budget_tokens or "none")
 
     def ready_model(self) -> models.CausalLM:
         if self.model is None:
@@ -102,25 +107,36 @@ class ModelHost:
         """Run fn(*args) on the forward worker."""
         return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
 
-    async def session_stream(self, requests: AsyncIterator[Any]) -> AsyncIterator[tuple[KVSession, Any]]:
-        """Yield (session, request) for each message of a stream; the session dies with the stream."""
+    async def session_stream(self, requests: AsyncIterator[Any], extra_tokens: Callable[[Any], int]
+                             ) -> AsyncIterator[tuple[KVSession, Any]]:
+        """Yield (session, request) for each message of a stream; the session dies with the stream.
+
+        Each step first reserves its KV room: cache_position + new tokens + extra_tokens(request)
+        (what the step adds beyond the history: drafted or scored tokens).
+        """
         self.ready_model()
         handle: int | None = None
-        cached_tokens = 0  # this session's share of the KV metric
         try:
             async for request in requests:
                 if handle is None:
                     assert self.info is not None
                     handle, session = self.sessions.open(request.session_id, self.info.vocab_size)
                     self.metrics.session_opened()
-                with self.metrics.step():
-                    yield session, request
-                self.metrics.kv_changed(session.length - cached_tokens)
-                cached_tokens = session.length
+                self.sessions.reserve(session, request.cache_position + len(request.new_token_ids)
+                                      + extra_tokens(request))
+                session.busy = True
+                try:
+                    with self.metrics.step():
+                        yield session, request
+                finally:
+                    session.busy = False
+                self.sessions.settle(session)
+                self.metrics.kv_total(self.sessions.cached_tokens)
         finally:
             if handle is not None:
                 self.sessions.close(handle)
-                self.metrics.session_closed(cached_tokens)
+                self.metrics.session_closed()
+                self.metrics.kv_total(self.sessions.cached_tokens)
 
 
 def step_from(request: Any, session: KVSession) -> Step:

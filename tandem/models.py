@@ -250,3 +250,13 @@ def logits_width(model: CausalLM) -> int:
 
 def max_context_tokens(model: CausalLM) -> int:
     return int(getattr(model.config, "max_position_embeddings", 0) or 0)
+
+
+def kv_bytes_per_token(model: CausalLM) -> int:
+    """Bytes one token takes in the KV cache (keys and values, every layer)."""
+    config = model.config.get_text_config()
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    element = torch.finfo(model.dtype).bits // 8
+    return int(2 * config.num_hidden_layers * kv_heads * head_dim * element)

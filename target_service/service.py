@@ -43,6 +43,11 @@ def draft_from(request: target_pb2.ScoreBlocksRequest, session: KVSession
     return ids, dists
 
 
+def _scored_tokens(request: target_pb2.ScoreBlocksRequest) -> int:
+    """KV room a step takes beyond the history: the draft block, or a proposer's segment (transient)."""
+    return len(request.draft_token_ids) + (MAX_BLOCK_TOKENS if request.target_proposer else 0)
+
+
 class TargetService(ModelServicer, target_pb2_grpc.TargetServiceServicer):
     name = "tandem.v1.TargetService"
 
@@ -76,7 +81,8 @@ class TargetService(ModelServicer, target_pb2_grpc.TargetServiceServicer):
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[target_pb2.ScoreBlocksResponse]:
         model = self.host.ready_model()
-        async for session, request in self.host.session_stream(request_iterator):
+        async for session, request in self.host.session_stream(
+                request_iterator, _scored_tokens):
             step = step_from(request, session)
             params = sampling_from(request.sampling)
             proposer = self._proposer(request)

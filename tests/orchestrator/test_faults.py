@@ -10,6 +10,7 @@ from __future__ import annotations
 import signal
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -163,3 +164,26 @@ def test_sigterm_drains_in_flight_streams_then_exits_zero(one_of_each: Stack, re
     assert tokens == reference(PROMPTS[0], LENGTH)
     assert summary.usage.completion_tokens == LENGTH  # type: ignore[attr-defined]
     assert target.proc.wait(timeout=60) == 0
+
+
+def test_kv_budget_evicts_idle_sessions_and_rebuilds_them_without_changing_output(
+        tiny_draft: Path, tiny_target: Path, reference) -> None:  # type: ignore[no-untyped-def]
+    # Four concurrent sessions of ~50 tokens each against a 120-token budget on the target.
+    stack = start_stack(str(tiny_draft), str(tiny_target), target_args=["--kv-budget-tokens", "120"])
+    try:
+        with stack.client() as client, ThreadPoolExecutor(max_workers=4) as pool:
+            replies = list(pool.map(lambda p: client.generate(p, max_new_tokens=40, num_speculative_tokens=4,
+                                                              ignore_eos=True), PROMPTS))
+        for prompt, reply in zip(PROMPTS, replies, strict=True):
+            assert list(reply.token_ids) == reference(prompt, 40)
+        assert any("NOT_FOUND" in line and "evicted" in line for line in stack.orchestrator.lines)
+        # One step that needs more than the whole budget is refused, naming the limit.
+        with stack.client() as client, pytest.raises(grpc.RpcError) as raised:
+            client.generate([5] * 130, max_new_tokens=4, ignore_eos=True)
+        assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "--kv-budget-tokens" in raised.value.details()
+        with stack.client() as client:  # and the replicas still serve
+            assert list(client.generate(PROMPTS[1], max_new_tokens=10, ignore_eos=True).token_ids) == \
+                reference(PROMPTS[1], 10)
+    finally:
+        stack.stop()

@@ -56,3 +56,58 @@ def test_rollback_to_zero_forgets_proposer_state(model) -> None:  # type: ignore
     session.proposer_state["x"] = 1
     session.rollback(0)
     assert session.length == 0 and not session.proposer_state
+
+
+# --- The KV budget: least-recently-used eviction --------------------------------------------
+
+def _table_with(model, budget: int, *lengths: int):  # type: ignore[no-untyped-def]
+    from tandem.kv import SessionTable
+
+    table = SessionTable(max_sessions=8, kv_budget_tokens=budget)
+    sessions = []
+    for i, n in enumerate(lengths):
+        _, session = table.open(f"s{i}", vocab_size=40)
+        table.reserve(session, n)
+        session.forward(model, list(range(3, 3 + n)), logits_to_keep=1)
+        table.settle(session)
+        sessions.append(session)
+    return table, sessions
+
+
+def test_budget_evicts_idle_sessions_least_recently_used_first(model) -> None:  # type: ignore[no-untyped-def]
+    table, (a, b, c) = _table_with(model, 30, 10, 10, 10)
+    table.reserve(a, 10)  # a is now the most recently used
+    _, d = table.open("d", vocab_size=40)
+    table.reserve(d, 12)  # 42 > 30: evict b (least recent), then 32 > 30: evict c
+    assert (a.evicted, b.evicted, c.evicted) == (False, True, True)
+    assert b.length == 0 and table.cached_tokens == 10
+
+
+def test_busy_sessions_are_never_evicted(model) -> None:  # type: ignore[no-untyped-def]
+    from tandem.errors import ResourceExhausted
+
+    table, (a, b) = _table_with(model, 25, 10, 10)
+    a.busy = b.busy = True
+    _, c = table.open("c", vocab_size=40)
+    with pytest.raises(ResourceExhausted, match="held by steps in flight"):
+        table.reserve(c, 10)
+    assert not a.evicted and not b.evicted
+
+
+def test_a_step_larger_than_the_budget_is_refused(model) -> None:  # type: ignore[no-untyped-def]
+    from tandem.errors import ResourceExhausted
+
+    table, (a,) = _table_with(model, 20, 5)
+    with pytest.raises(ResourceExhausted, match=r"needs 21 cached tokens but .* budget is 20"):
+        table.reserve(a, 21)
+
+
+def test_an_evicted_session_must_restart_from_position_zero(model) -> None:  # type: ignore[no-untyped-def]
+    from tandem.errors import SessionEvicted
+
+    _, (a,) = _table_with(model, 0, 6)
+    a.evict()
+    with pytest.raises(SessionEvicted, match="resend its history from cache_position 0"):
+        a.rollback(6)
+    a.rollback(0)
+    assert not a.evicted

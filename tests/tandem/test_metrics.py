@@ -99,6 +99,8 @@ def test_a_session_stream_keeps_sessions_queue_depth_and_kv_use() -> None:
     @dataclass
     class Request:
         session_id: str
+        cache_position: int = 0
+        new_token_ids: tuple[int, ...] = (1,)
 
     async def requests() -> AsyncIterator[Request]:
         for _ in range(3):
@@ -107,7 +109,7 @@ def test_a_session_stream_keeps_sessions_queue_depth_and_kv_use() -> None:
     async def scenario() -> None:
         opened = value("tandem_sessions_total", model=model)
         seen = []
-        async for session, _ in host.session_stream(requests()):
+        async for session, _ in host.session_stream(requests(), lambda _: 0):
             # The service is answering this step now; the KV metric holds the earlier steps'.
             seen.append((value("tandem_sessions_active", model=model),
                          value("tandem_steps_in_flight", model=model),
