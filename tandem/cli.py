@@ -33,7 +33,7 @@ def _serve_model(args: argparse.Namespace, label: str) -> None:
         from target_service.service import TargetService
         service = TargetService(host)
     asyncio.run(serve([service], label, cfg.host, cfg.port, cfg.grace_s,  # type: ignore[list-item]
-                      metrics_port=cfg.metrics_port))
+                      metrics_port=cfg.metrics_port, max_message_bytes=cfg.max_message_bytes))
 
 
 def _serve_orchestrator(args: argparse.Namespace) -> None:
@@ -47,7 +47,7 @@ def _serve_orchestrator(args: argparse.Namespace) -> None:
     except ValueError as exc:
         sys.exit(f"orchestrator: {exc}")
     asyncio.run(serve([service], "orchestrator", cfg.host, cfg.port, cfg.grace_s,
-                      metrics_port=cfg.metrics_port))
+                      metrics_port=cfg.metrics_port, max_message_bytes=cfg.max_message_bytes))
 
 
 def _up(args: argparse.Namespace) -> None:

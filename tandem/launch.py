@@ -22,6 +22,14 @@ class Process:
     address: str
     lines: list[str] = field(default_factory=list)
 
+    @property
+    def metrics_url(self) -> str | None:
+        """http://host:port/metrics, when the process serves metrics (--metrics-port)."""
+        for line in list(self.lines):
+            if " metrics on " in line:
+                return line.rsplit(" ", 1)[1].strip()
+        return None
+
     def stop(self, sig_timeout: float = 30.0) -> int:
         if self.proc.poll() is None:
             self.proc.terminate()

@@ -25,7 +25,7 @@ from tandem.errors import InvalidRequest, Unavailable
 from tandem.kv import KVSession, SessionTable
 from tandem.metrics import ReplicaMetrics
 from tandem.sampling import SamplingParams, validate
-from tandem.server import handle_errors
+from tandem.server import MAX_MESSAGE_BYTES, handle_errors
 from tandem.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -47,6 +47,8 @@ class ModelServiceConfig:
                            "changes acceptance, never the output")
     threads: int = option(0, "torch intra-op threads (0: torch's default)")
     max_sessions: int = option(256, "most concurrent sessions (streams) on this replica")
+    max_message_bytes: int = option(MAX_MESSAGE_BYTES, "largest request message accepted, in "
+                                    "bytes; a larger one gets RESOURCE_EXHAUSTED")
     grace_s: float = option(30.0, "seconds to drain in-flight streams on SIGTERM")
     metrics_port: int = option(-1, "port for Prometheus metrics over HTTP (0 picks a free one; "
                                "-1: none)")
