@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 
 import grpc
 
+from orchestrator.admission import Admission
 from orchestrator.policy import POLICIES, CostModel
 from orchestrator.remote import (
     DRAFT_STUB,
@@ -31,7 +32,7 @@ from tandem import metrics, models
 from tandem.config import option
 from tandem.errors import InvalidRequest, Unavailable
 from tandem.model_service import sampling_from
-from tandem.server import handle_errors
+from tandem.server import MAX_MESSAGE_BYTES, handle_errors
 from tandem.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 
 if TYPE_CHECKING:
@@ -78,6 +79,12 @@ class OrchestratorConfig:
     max_support_size: int = option(8, "K: support of each draft distribution sent over the wire")
     max_new_tokens_cap: int = option(4096, "largest max_new_tokens a request may ask for")
     default_max_new_tokens: int = option(256, "max_new_tokens when a request leaves it unset")
+    max_concurrent_requests: int = option(256, "requests generating at once; more wait in the "
+                                          "queue")
+    max_queued_requests: int = option(1024, "requests waiting for a running slot; beyond running "
+                                      "+ queued, a request gets RESOURCE_EXHAUSTED")
+    max_message_bytes: int = option(MAX_MESSAGE_BYTES, "largest request message accepted, in "
+                                    "bytes; a larger one gets RESOURCE_EXHAUSTED")
     replica_wait_s: float = option(600.0, "how long start-up waits for replicas to be SERVING")
     grace_s: float = option(30.0, "seconds to drain in-flight streams on SIGTERM")
     metrics_port: int = option(-1, "port for Prometheus metrics over HTTP (0 picks a free one; "
@@ -140,6 +147,7 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         if config.speculation_policy not in POLICIES:
             raise ValueError(f"--speculation-policy must be one of {POLICIES}")
         self.costs = CostModel()
+        self.admission = Admission(config.max_concurrent_requests, config.max_queued_requests)
         self._kube: Any = None  # the DiscoveryV1Api client, when discovering replicas
         self._namespace = config.namespace
         self._discoveries: list[discovery.ServiceDiscovery] = []
@@ -297,6 +305,13 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
                    ) -> AsyncIterator[tuple[list[int], str, FinishReason, Usage, int]]:
         """Yield (token_ids, text, finish_reason, usage, wire_bytes) per step; finish_reason 0 until the end."""
         gen, stops = self._validate(request)
+        async with self.admission.slot():
+            async for step in self._generate(gen, stops, context):
+                yield step
+
+    async def _generate(self, gen: Generation, stops: tuple[str, ...],
+                        context: grpc.aio.ServicerContext
+                        ) -> AsyncIterator[tuple[list[int], str, FinishReason, Usage, int]]:
         drafts, targets = await self._pools()
         remaining = context.time_remaining()
         timeout = remaining if remaining is not None and math.isfinite(remaining) else None
