@@ -162,6 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
 
     sub.add_parser("bench", help="benchmark every mode side by side (tandem bench --help)")
+    sub.add_parser("bench-load", help="concurrent clients: errors, exactness, leaks, latency "
+                   "(tandem bench-load --help)")
     prep = sub.add_parser("prepare-models", help="assemble and convert the built-in models now")
     prep.add_argument("models", nargs="*")
     prep.set_defaults(func=_prepare)
@@ -174,6 +176,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         from bench.run import main as bench_main
 
         bench_main(argv[1:])
+        return
+    if argv[:1] == ["bench-load"]:  # tandem bench-load --help
+        from bench.load import main as load_main
+
+        load_main(argv[1:])
         return
     args = build_parser().parse_args(argv)
     args.func(args)
