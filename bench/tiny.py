@@ -29,7 +29,7 @@ def make_tokenizer(chars: str = DEFAULT_CHARS) -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
     tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, unk_token="<unk>")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, unk_token="<unk>")  # type: ignore[no-untyped-call]
 
 
 def make_model(path: Path, *, seed: int, chars: str = DEFAULT_CHARS, eos_token_id: int = 0,
@@ -44,8 +44,8 @@ def make_model(path: Path, *, seed: int, chars: str = DEFAULT_CHARS, eos_token_i
         eos_token_id=eos_token_id, bos_token_id=None, pad_token_id=None,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).eval()
-    model.generation_config = GenerationConfig(eos_token_id=eos_token_id, pad_token_id=eos_token_id)
+    model = LlamaForCausalLM(config).eval()  # type: ignore[no-untyped-call]
+    model.generation_config = GenerationConfig(eos_token_id=eos_token_id, pad_token_id=eos_token_id)  # type: ignore[no-untyped-call]
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
@@ -71,11 +71,11 @@ def make_draft_like(target: Path, path: Path, *, noise: float, seed: int) -> Pat
 def greedy_reference(path: Path | str, prompt_ids: list[int], max_new_tokens: int,
                      eos_token_id: int | None = None) -> list[int]:
     """The target's own greedy generate(): the ground truth for exactness tests."""
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()  # type: ignore[no-untyped-call]
     # generate() falls back to the model's own EOS for an unset one: clear it to ignore EOS.
     model.generation_config.eos_token_id = eos_token_id
     model.config.eos_token_id = eos_token_id
-    config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens,
+    config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens,  # type: ignore[no-untyped-call]
                               eos_token_id=eos_token_id, pad_token_id=0)
     with torch.inference_mode():
         out = model.generate(torch.tensor([prompt_ids]), generation_config=config)
