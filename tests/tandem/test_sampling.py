@@ -164,3 +164,11 @@ def test_seeded_sampling_is_deterministic() -> None:
     a, _ = _two_tokens(sampling.num_accepted, trials=300, seed=7)
     b, _ = _two_tokens(sampling.num_accepted, trials=300, seed=7)
     assert a == b
+
+
+@pytest.mark.parametrize("temperature", [1.401298464324817e-45, 1e-30, 1e-8])
+def test_a_tiny_temperature_is_nearly_greedy_not_nan(temperature: float) -> None:
+    """Found by the GenerateRequest fuzzer: logits / 1e-45 overflowed to inf, softmax to NaN."""
+    logits = torch.tensor([[3.0, 9.0, -2.0, 8.5]])
+    probs = sampling.probabilities(logits, SamplingParams(temperature=temperature))
+    assert torch.equal(probs, torch.tensor([[0.0, 1.0, 0.0, 0.0]]))
