@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias, cast
 
 import grpc
 
+from orchestrator.admission import Admission
 from orchestrator.policy import POLICIES, CostModel
 from orchestrator.proposers import DraftModelProposer, PromptLookupProposer, Proposer
 from orchestrator.remote import (
@@ -34,7 +35,7 @@ from tandem.config import option
 from tandem.errors import InvalidRequest, Unavailable
 from tandem.model_service import sampling_from
 from tandem.security import ClientTls, ServerSecurityConfig, load_client_tls
-from tandem.server import handle_errors
+from tandem.server import MAX_MESSAGE_BYTES, handle_errors
 from tandem.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 
 if TYPE_CHECKING:
@@ -88,6 +89,12 @@ class OrchestratorConfig(ServerSecurityConfig):
     replica_retry_s: float = option(10.0, "how long a request whose target session was lost waits "
                                     "for a target replica to rebuild it on (e.g. a restart), once "
                                     "every replica was tried")
+    max_concurrent_requests: int = option(256, "requests generating at once; more wait in the "
+                                          "queue")
+    max_queued_requests: int = option(1024, "requests waiting for a running slot; beyond running "
+                                      "+ queued, a request gets RESOURCE_EXHAUSTED")
+    max_message_bytes: int = option(MAX_MESSAGE_BYTES, "largest request message accepted, in "
+                                    "bytes; a larger one gets RESOURCE_EXHAUSTED")
     replica_wait_s: float = option(600.0, "how long start-up waits for replicas to be SERVING")
     grace_s: float = option(30.0, "seconds to drain in-flight streams on SIGTERM")
     metrics_port: int = option(-1, "port for Prometheus metrics over HTTP (0 picks a free one; "
@@ -184,6 +191,7 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         self.default_proposer = proposer_kind(config.proposer) if config.proposer else (
             common_pb2.PROPOSER_DRAFT_MODEL if _addresses(config.draft) or config.draft_service_name
             else common_pb2.PROPOSER_NONE)
+        self.admission = Admission(config.max_concurrent_requests, config.max_queued_requests)
         self._kube: Any = None  # the DiscoveryV1Api client, when discovering replicas
         self._namespace = config.namespace
         self._discoveries: list[discovery.ServiceDiscovery] = []
@@ -362,6 +370,13 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
                    ) -> AsyncIterator[tuple[list[int], str, FinishReason, Usage, int]]:
         """Yield (token_ids, text, finish_reason, usage, wire_bytes) per step; finish_reason 0 until the end."""
         gen, stops = self._validate(request)
+        async with self.admission.slot():
+            async for step in self._generate(gen, stops, context):
+                yield step
+
+    async def _generate(self, gen: Generation, stops: tuple[str, ...],
+                        context: grpc.aio.ServicerContext
+                        ) -> AsyncIterator[tuple[list[int], str, FinishReason, Usage, int]]:
         drafts, targets = await self._pools()
         remaining = context.time_remaining()
         deadline = (asyncio.get_running_loop().time() + remaining

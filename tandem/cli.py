@@ -44,7 +44,8 @@ def _serve_model(args: argparse.Namespace, label: str) -> None:
         from target_service.service import TargetService
         service = TargetService(host)
     asyncio.run(serve([service], label, cfg.host, cfg.port, cfg.grace_s,  # type: ignore[list-item]
-                      metrics_port=cfg.metrics_port, tls=tls, health_port=cfg.health_port))
+                      metrics_port=cfg.metrics_port, tls=tls, health_port=cfg.health_port,
+                      max_message_bytes=cfg.max_message_bytes))
 
 
 def _server_tls(cfg: ServerSecurityConfig, label: str) -> ServerTls | None:
@@ -71,7 +72,7 @@ def _serve_orchestrator(args: argparse.Namespace) -> None:
                     "plaintext")
     asyncio.run(serve([service], "orchestrator", cfg.host, cfg.port, cfg.grace_s,
                       metrics_port=cfg.metrics_port, tls=tls, auth_token=token,
-                      health_port=cfg.health_port))
+                      health_port=cfg.health_port, max_message_bytes=cfg.max_message_bytes))
 
 
 def _up(args: argparse.Namespace) -> None:
@@ -213,6 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
 
     sub.add_parser("bench", help="benchmark every mode side by side (tandem bench --help)")
+    sub.add_parser("bench-load", help="concurrent clients: errors, exactness, leaks, latency "
+                   "(tandem bench-load --help)")
     prep = sub.add_parser("prepare-models", help="assemble and convert the built-in models now")
     prep.add_argument("models", nargs="*")
     prep.set_defaults(func=_prepare)
@@ -225,6 +228,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         from bench.run import main as bench_main
 
         bench_main(argv[1:])
+        return
+    if argv[:1] == ["bench-load"]:  # tandem bench-load --help
+        from bench.load import main as load_main
+
+        load_main(argv[1:])
         return
     args = build_parser().parse_args(argv)
     args.func(args)

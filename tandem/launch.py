@@ -7,11 +7,13 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from tandem.client import TandemClient
 from tandem.security import ClientTls, channel
@@ -22,6 +24,29 @@ class Process:
     proc: subprocess.Popen[str]
     address: str
     lines: list[str] = field(default_factory=list)
+
+    @property
+    def metrics_url(self) -> str | None:
+        """http://host:port/metrics, when the process serves metrics (--metrics-port)."""
+        for line in list(self.lines):
+            if " metrics on " in line:
+                return line.rsplit(" ", 1)[1].strip()
+        return None
+
+    def metrics(self, timeout: float = 10.0) -> dict[str, float]:
+        """Scrape the metrics endpoint: each sample name, summed over its labels."""
+        deadline = time.monotonic() + timeout
+        while (url := self.metrics_url) is None:  # the line can lag behind the log reader
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.address} serves no metrics (start it with --metrics-port)")
+            time.sleep(0.05)
+        with urllib.request.urlopen(url, timeout=timeout) as reply:
+            text = reply.read().decode()
+        samples: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                samples[sample.name] = samples.get(sample.name, 0.0) + sample.value
+        return samples
 
     def stop(self, sig_timeout: float = 30.0) -> int:
         if self.proc.poll() is None:

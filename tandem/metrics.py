@@ -47,6 +47,8 @@ STAGE_OTHER = "other"  # the rest of the step's wall time: network, serializatio
 REQUESTS = Counter("tandem_requests", "Finished requests by RPC method and gRPC status code.",
                    ["method", "code"])
 REQUESTS_IN_FLIGHT = Gauge("tandem_requests_in_flight", "Requests being served now.", ["method"])
+REQUESTS_QUEUED = Gauge("tandem_requests_queued",
+                        "Admitted requests waiting for a running slot (--max-concurrent-requests).")
 REQUEST_SECONDS = Histogram("tandem_request_duration_seconds", "Wall time of a request.",
                             ["method"], buckets=SECONDS_BUCKETS)
 TIME_TO_FIRST_TOKEN = Histogram("tandem_time_to_first_token_seconds",

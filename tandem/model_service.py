@@ -26,7 +26,7 @@ from tandem.kv import KVSession, SessionTable
 from tandem.metrics import ReplicaMetrics
 from tandem.sampling import SamplingParams, validate
 from tandem.security import ServerSecurityConfig
-from tandem.server import handle_errors
+from tandem.server import MAX_MESSAGE_BYTES, handle_errors
 from tandem.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -52,6 +52,8 @@ class ModelServiceConfig(ServerSecurityConfig):
                                    "needs room, idle sessions' caches are evicted least recently "
                                    "used first and rebuilt from history on their next step (0: "
                                    "no budget; the log gives the bytes per token)")
+    max_message_bytes: int = option(MAX_MESSAGE_BYTES, "largest request message accepted, in "
+                                    "bytes; a larger one gets RESOURCE_EXHAUSTED")
     grace_s: float = option(30.0, "seconds to drain in-flight streams on SIGTERM")
     metrics_port: int = option(-1, "port for Prometheus metrics over HTTP (0 picks a free one; "
                                "-1: none)")

@@ -80,7 +80,9 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     if params.greedy:
         # NOTE: ties go to the lowest id, as torch.argmax and HF greedy search do.
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(_F32)
-    logits = logits / params.temperature
+    # Shifted by the row maximum before dividing: the same softmax, but a tiny temperature
+    # (down to float32 subnormals) cannot overflow the logits to inf and the probs to NaN.
+    logits = (logits - logits.max(-1, keepdim=True).values) / params.temperature
     if 0 < params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, -math.inf)

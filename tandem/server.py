@@ -12,7 +12,9 @@ CA) from `tandem.security.ServerTls`, and with a token, bearer-token authenticat
 everything but health and reflection. The kubelet's gRPC probes speak neither TLS nor
 tokens, so a health port can serve health alone in plaintext beside a TLS port.
 
-`handle_errors` is the one place that turns domain exceptions into gRPC statuses.
+`handle_errors` is the one place that turns domain exceptions into gRPC statuses; the
+`RejectUndecodable` interceptor answers a request that does not parse (invalid UTF-8 in a
+string field) with INVALID_ARGUMENT naming the field, where grpc would answer UNKNOWN.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 import grpc
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -37,12 +41,18 @@ from tandem.security import BearerTokenAuth, ServerTls, server_credentials
 
 log = logging.getLogger(__name__)
 
-# Generous message limits: prompts can be long; one place to change them.
+# Generous message limits: prompts can be long. Each service can lower what it receives
+# (--max-message-bytes); grpc answers a larger request with RESOURCE_EXHAUSTED.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
+
+
+def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    return [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", max_message_bytes)]
 
 
 class Service(Protocol):
@@ -82,15 +92,20 @@ class RunningServer:
 
 async def start_server(services: list[Service], host: str = "127.0.0.1", port: int = 0, *,
                        tls: ServerTls | None = None, auth_token: str | None = None,
-                       health_port: int = -1) -> RunningServer:
+                       health_port: int = -1,
+                       max_message_bytes: int = MAX_MESSAGE_BYTES) -> RunningServer:
     """Build, bind and start the server (not yet SERVING).
 
     tls: serve TLS (mutual TLS when it has a client CA) instead of plaintext.
     auth_token: require `authorization: Bearer <token>` on every call but health and reflection.
     health_port: also serve health alone, in plaintext, on this port (0 picks one; -1: none).
+    max_message_bytes: the largest request message accepted.
     """
-    interceptors = [BearerTokenAuth(auth_token)] if auth_token else []
-    server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=interceptors)
+    if max_message_bytes < 1:
+        raise ValueError(f"--max-message-bytes must be >= 1, got {max_message_bytes}")
+    interceptors: list[grpc.aio.ServerInterceptor] = [BearerTokenAuth(auth_token)] if auth_token else []
+    interceptors.append(RejectUndecodable())
+    server = grpc.aio.server(options=server_options(max_message_bytes), interceptors=interceptors)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = tuple(s.name for s in services)
@@ -129,14 +144,16 @@ def _bind(server: grpc.aio.Server, host: str, port: int, tls: ServerTls | None) 
 
 async def serve(services: list[Service], label: str, host: str, port: int,
                 grace_s: float = 30.0, metrics_port: int = -1, *, tls: ServerTls | None = None,
-                auth_token: str | None = None, health_port: int = -1) -> None:
+                auth_token: str | None = None, health_port: int = -1,
+                max_message_bytes: int = MAX_MESSAGE_BYTES) -> None:
     """Run until SIGTERM/SIGINT. Prints one line when listening and one when serving.
 
     metrics_port: serve Prometheus metrics on http://host:metrics_port/metrics (0 picks a
-    free port; negative: no metrics endpoint). tls, auth_token, health_port: as in start_server.
+    free port; negative: no metrics endpoint). tls, auth_token, health_port,
+    max_message_bytes: as in start_server.
     """
     running = await start_server(services, host, port, tls=tls, auth_token=auth_token,
-                                 health_port=health_port)
+                                 health_port=health_port, max_message_bytes=max_message_bytes)
     security = ("plaintext" if tls is None else "mutual TLS" if tls.mutual else "TLS") + \
         (", bearer token required" if auth_token else "")
     log.info("%s: %s", label, security)
@@ -207,6 +224,129 @@ def handle_errors(method: F) -> F:
             await context.abort(*abort_status(exc))
 
     return unary_wrapper  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class Undecodable:
+    """What the lenient deserializer hands on for bytes that do not parse as the request type."""
+
+    reason: str
+
+
+def _bad_string_field(raw: bytes, descriptor: Descriptor, path: str = "") -> str | None:
+    """The name of the first string field of `raw` (wire format) that is not valid UTF-8."""
+
+    def varint(pos: int) -> tuple[int, int]:
+        result = shift = 0
+        while True:
+            byte = raw[pos]
+            result |= (byte & 0x7F) << shift
+            pos, shift = pos + 1, shift + 7
+            if not byte & 0x80:
+                return result, pos
+
+    pos = 0
+    try:
+        while pos < len(raw):
+            tag, pos = varint(pos)
+            number, wire_type = tag >> 3, tag & 7
+            if wire_type == 0:
+                _, pos = varint(pos)
+            elif wire_type in (1, 5):
+                pos += 8 if wire_type == 1 else 4
+            elif wire_type == 2:
+                size, start = varint(pos)
+                pos = start + size
+                chunk = raw[start:pos]
+                field = descriptor.fields_by_number.get(number)
+                if field is None:
+                    continue
+                name = f"{path}{field.name}"
+                if field.type == FieldDescriptor.TYPE_STRING:
+                    try:
+                        chunk.decode("utf-8")
+                    except UnicodeDecodeError:
+                        return name
+                elif field.type == FieldDescriptor.TYPE_MESSAGE:
+                    inner = _bad_string_field(chunk, field.message_type, f"{name}.")
+                    if inner:
+                        return inner
+            else:  # groups: not used by any Tandem message
+                return None
+    except IndexError:
+        return None
+    return None
+
+
+def _lenient(deserialize: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    def run(raw: bytes) -> Any:
+        try:
+            return deserialize(raw)
+        except DecodeError as exc:
+            message_type = getattr(deserialize, "__self__", None)
+            descriptor = getattr(message_type, "DESCRIPTOR", None)
+            field = _bad_string_field(raw, descriptor) if descriptor is not None else None
+            if field:
+                return Undecodable(f"{field} is not valid UTF-8 (string fields must be UTF-8; "
+                                   "send binary data as token ids)")
+            return Undecodable(f"the request does not parse: {exc}")
+
+    return run
+
+
+class RejectUndecodable(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Answer a request that does not parse with INVALID_ARGUMENT naming the field.
+
+    Without this, the generated deserializer raises DecodeError inside grpc, and the caller
+    gets UNKNOWN. Here the deserializer hands on an `Undecodable`, and the handler aborts
+    before the servicer sees it. Every Tandem handler is an async function or generator.
+    """
+
+    async def intercept_service(self, continuation: Callable[..., Any],
+                                details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        deserialize = _lenient(handler.request_deserializer)
+        serialize = handler.response_serializer
+        kind = (("stream" if handler.request_streaming else "unary") + "_"
+                + ("stream" if handler.response_streaming else "unary"))
+        behavior = _checked(getattr(handler, kind), handler.request_streaming)
+        make = getattr(grpc, f"{kind}_rpc_method_handler")
+        return make(behavior, request_deserializer=deserialize, response_serializer=serialize)
+
+
+async def _reject(item: Any, context: grpc.aio.ServicerContext) -> None:
+    if isinstance(item, Undecodable):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, item.reason)
+
+
+def _checked(behavior: Callable[..., Any], request_streaming: bool) -> Callable[..., Any]:
+    """`behavior`, refusing an Undecodable request (or stream message) before it runs on it."""
+
+    async def prepared(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if not request_streaming:
+            await _reject(request, context)
+            return request
+
+        async def messages() -> AsyncIterator[Any]:
+            async for item in request:
+                await _reject(item, context)
+                yield item
+
+        return messages()
+
+    if inspect.isasyncgenfunction(behavior):
+        async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            async for item in behavior(await prepared(request, context), context):
+                yield item
+
+        return stream
+
+    async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await behavior(await prepared(request, context), context)
+
+    return unary
 
 
 def configure_logging(level: str = "INFO") -> None:

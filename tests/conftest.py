@@ -31,7 +31,9 @@ def tiny_draft(tiny_dir: Path, tiny_target: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_stack(tiny_draft: Path, tiny_target: Path) -> Iterator[Stack]:
-    stack = start_stack(str(tiny_draft), str(tiny_target))
+    # Metrics endpoints on the draft and target: tests read their session and KV gauges.
+    metrics = ["--metrics-port", "0"]
+    stack = start_stack(str(tiny_draft), str(tiny_target), draft_args=metrics, target_args=metrics)
     yield stack
     stack.stop()
 

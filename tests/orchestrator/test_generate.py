@@ -203,6 +203,19 @@ def test_max_new_tokens_reached_mid_block(identical_stack: Stack, eos_model, max
     ({"num_speculative_tokens": 1000}, "num_speculative_tokens"),
     ({"stop": [""]}, "stop_strings"),
     ({"prompt": [9999]}, "prompt_token_ids"),
+    # Gaps filled by the reliability work: each boundary just outside its range.
+    ({"prompt": "a" * 600}, "context of 512 tokens"),
+    ({"prompt": list(range(2, 30)) * 20}, "context of 512 tokens"),
+    ({"prompt": [-1]}, "prompt_token_ids must be in [0, 36)"),
+    ({"max_new_tokens": 4097}, "max_new_tokens must be in [1, 4096]"),
+    ({"temperature": float("inf")}, "temperature"),
+    ({"temperature": float("-inf")}, "temperature"),
+    ({"top_p": -0.5}, "top_p must be in (0, 1]"),
+    ({"top_p": float("nan")}, "top_p must be in (0, 1]"),
+    ({"top_p": 1.0000001}, "top_p must be in (0, 1]"),
+    ({"num_speculative_tokens": 17}, "num_speculative_tokens must be in [0, 16]"),
+    ({"stop": ["x"] * 17}, "stop_strings: at most 16"),
+    ({"stop": ["x" * 257]}, "each 1..256 characters"),
 ])
 def test_invalid_requests_get_invalid_argument(tiny_stack: Stack, fields: dict, needle: str) -> None:  # type: ignore[type-arg]
     args = {"prompt": "hello", "max_new_tokens": 4, **fields}

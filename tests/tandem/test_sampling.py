@@ -229,3 +229,11 @@ def test_tree_verification_matches_target_distribution() -> None:
 def test_tree_statistical_test_catches_always_keeping_the_first_candidate() -> None:
     counts, exact = _tree_two_tokens("biased", trials=20_000)
     assert _p_value(counts, exact) < ALPHA
+
+
+@pytest.mark.parametrize("temperature", [1.401298464324817e-45, 1e-30, 1e-8])
+def test_a_tiny_temperature_is_nearly_greedy_not_nan(temperature: float) -> None:
+    """Found by the GenerateRequest fuzzer: logits / 1e-45 overflowed to inf, softmax to NaN."""
+    logits = torch.tensor([[3.0, 9.0, -2.0, 8.5]])
+    probs = sampling.probabilities(logits, SamplingParams(temperature=temperature))
+    assert torch.equal(probs, torch.tensor([[0.0, 1.0, 0.0, 0.0]]))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -36,6 +38,17 @@ def test_target_scores_a_block(tiny_stack: Stack) -> None:
     ({"draft_token_ids": [3], "draft_distributions": [common_pb2.SparseDistribution(token_ids=[3], probs=[0.2])]},
      grpc.StatusCode.INVALID_ARGUMENT, "sum to 1"),
     ({"sampling": common_pb2.SamplingParams(top_p=2.0)}, grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
+    # A drafted block whose length disagrees with its probabilities, either way.
+    ({"draft_token_ids": [3], "draft_distributions": [common_pb2.SparseDistribution(token_ids=[3], probs=[1.0])] * 2},
+     grpc.StatusCode.INVALID_ARGUMENT, "one distribution per drafted token"),
+    ({"draft_token_ids": [3], "draft_distributions": [common_pb2.SparseDistribution(token_ids=[3, 4], probs=[1.0])]},
+     grpc.StatusCode.INVALID_ARGUMENT, "equal, non-zero numbers of token_ids and probs"),
+    ({"draft_token_ids": [3] * 65, "draft_distributions": [common_pb2.SparseDistribution(token_ids=[3], probs=[1.0])] * 65},
+     grpc.StatusCode.INVALID_ARGUMENT, "at most 64"),
+    ({"draft_token_ids": [3], "draft_distributions": [common_pb2.SparseDistribution(token_ids=[3], probs=[float("nan")])]},
+     grpc.StatusCode.INVALID_ARGUMENT, "sum to 1"),
+    ({"sampling": common_pb2.SamplingParams(temperature=float("nan"))}, grpc.StatusCode.INVALID_ARGUMENT,
+     "temperature"),
 ])
 def test_target_rejects_bad_steps(tiny_stack: Stack, fields: dict, code: grpc.StatusCode, needle: str) -> None:  # type: ignore[type-arg]
     request = target_pb2.ScoreBlocksRequest(**{"session_id": "bad", "new_token_ids": [5], **fields})
@@ -47,6 +60,51 @@ def test_target_rejects_bad_steps(tiny_stack: Stack, fields: dict, code: grpc.St
         assert needle in err.value.details()
         # The replica keeps serving.
         assert one_step(stub.ScoreBlocks, target_pb2.ScoreBlocksRequest(new_token_ids=[5]))[0].cache_length == 1
+
+
+@pytest.mark.parametrize("fields, code, needle", [
+    ({"new_token_ids": []}, grpc.StatusCode.INVALID_ARGUMENT, "new_token_ids"),
+    ({"new_token_ids": [-1]}, grpc.StatusCode.INVALID_ARGUMENT, "outside"),
+    # A fresh stream is a fresh session: a step that assumes cached tokens names an unknown
+    # session, as far as this replica can tell, and gets the cache-mismatch status.
+    ({"cache_position": 3}, grpc.StatusCode.OUT_OF_RANGE, "beyond the session's cache length 0"),
+    ({"num_speculative_tokens": 65}, grpc.StatusCode.INVALID_ARGUMENT, "num_speculative_tokens must be in [0, 64]"),
+    ({"max_support_size": 1025}, grpc.StatusCode.INVALID_ARGUMENT, "max_support_size must be in [1, 1024]"),
+    ({"sampling": common_pb2.SamplingParams(top_p=-1.0)}, grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
+])
+def test_draft_rejects_bad_steps(tiny_stack: Stack, fields: dict, code: grpc.StatusCode, needle: str) -> None:  # type: ignore[type-arg]
+    request = draft_pb2.ProposeBlocksRequest(**{"new_token_ids": [5], "num_speculative_tokens": 2,
+                                                "max_support_size": 4, **fields})
+    with grpc.insecure_channel(tiny_stack.drafts[0].address) as channel:
+        stub = draft_pb2_grpc.DraftServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as err:
+            one_step(stub.ProposeBlocks, request)
+        assert err.value.code() == code
+        assert needle in err.value.details()
+        [reply] = one_step(stub.ProposeBlocks, draft_pb2.ProposeBlocksRequest(
+            new_token_ids=[5], num_speculative_tokens=2, max_support_size=4))
+        assert len(reply.token_ids) == 2
+
+
+@pytest.mark.parametrize("service", ["draft", "target"])
+def test_rollback_beyond_the_cache_is_out_of_range(tiny_stack: Stack, service: str) -> None:
+    """Mid-stream, a step may cut the cache back but never forward past what it holds."""
+    if service == "draft":
+        address, stub_class, method = tiny_stack.drafts[0].address, draft_pb2_grpc.DraftServiceStub, "ProposeBlocks"
+        make = functools.partial(draft_pb2.ProposeBlocksRequest, num_speculative_tokens=1, max_support_size=2)
+    else:
+        address, stub_class, method = tiny_stack.targets[0].address, target_pb2_grpc.TargetServiceStub, "ScoreBlocks"
+        make = target_pb2.ScoreBlocksRequest
+    steps = [make(new_token_ids=[5, 6, 7]), make(cache_position=10, new_token_ids=[8])]
+    with grpc.insecure_channel(address) as channel:
+        call = getattr(stub_class(channel), method)
+        replies: list = []  # type: ignore[type-arg]
+        with pytest.raises(grpc.RpcError) as err:
+            replies.extend(call(iter(steps), timeout=30))
+        assert err.value.code() == grpc.StatusCode.OUT_OF_RANGE
+        held = replies[0].cache_length
+        assert f"cache_position 10 is beyond the session's cache length {held}" in err.value.details()
+        assert one_step(call, make(new_token_ids=[5]))[0].cache_length >= 1
 
 
 def test_rollback_then_continue_in_one_stream(tiny_stack: Stack) -> None:

@@ -1,0 +1,93 @@
+"""A client that cancels or vanishes mid-generation leaves nothing behind: both replicas'
+sessions and KV gauges return to where they were. Polled with a generous timeout; no timing
+asserts."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import grpc
+
+from tandem.launch import Stack
+from tandem.server import CHANNEL_OPTIONS
+from tandem.v1 import orchestrator_pb2, orchestrator_pb2_grpc
+
+GAUGES = ("tandem_sessions_active", "tandem_kv_cached_tokens")
+
+
+def replica_state(stack: Stack) -> dict[str, float]:
+    """Open sessions, cached tokens and sessions ever opened, per replica."""
+    state = {}
+    for role, replica in (("draft", stack.drafts[0]), ("target", stack.targets[0])):
+        samples = replica.metrics()
+        for name in (*GAUGES, "tandem_sessions_total"):
+            state[f"{role} {name}"] = samples.get(name, 0.0)
+    return state
+
+
+def wait_for_baseline(stack: Stack, baseline: dict[str, float], timeout: float = 60.0) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while True:
+        state = replica_state(stack)
+        gauges = {k: v for k, v in state.items() if k.endswith(GAUGES)}
+        if gauges == {k: v for k, v in baseline.items() if k.endswith(GAUGES)}:
+            return state
+        assert time.monotonic() < deadline, f"replicas did not return to {baseline}: {state}"
+        time.sleep(0.1)
+
+
+def request(prompt: str) -> orchestrator_pb2.GenerateRequest:
+    return orchestrator_pb2.GenerateRequest(prompt=prompt, max_new_tokens=480, ignore_eos=True,
+                                            num_speculative_tokens=4)
+
+
+def test_cancelled_streams_free_their_sessions(tiny_stack: Stack) -> None:
+    baseline = replica_state(tiny_stack)
+    with grpc.insecure_channel(tiny_stack.address, options=CHANNEL_OPTIONS) as channel:
+        stub = orchestrator_pb2_grpc.OrchestratorServiceStub(channel)
+        calls = [stub.Generate(request(p), timeout=120) for p in ("a", "hello", "def f(x):", "x = 1")]
+        for call in calls:
+            assert next(call).HasField("delta")  # generating
+        for call in calls:
+            call.cancel()
+        codes = {call.code() for call in calls}
+        # A stream that raced to its end before the cancel reached it is OK, not a failure.
+        assert grpc.StatusCode.CANCELLED in codes <= {grpc.StatusCode.CANCELLED, grpc.StatusCode.OK}
+        # The orchestrator keeps serving.
+        reply = stub.GenerateUnary(orchestrator_pb2.GenerateUnaryRequest(prompt="a", max_new_tokens=2))
+        assert reply.usage.completion_tokens == 2
+    state = wait_for_baseline(tiny_stack, baseline)
+    for role in ("draft", "target"):  # each cancelled request (fixed k=4) opened one on each
+        assert state[f"{role} tandem_sessions_total"] >= baseline[f"{role} tandem_sessions_total"] + 4
+
+
+CLIENT = """
+import sys, grpc
+from tandem.v1 import orchestrator_pb2, orchestrator_pb2_grpc
+stub = orchestrator_pb2_grpc.OrchestratorServiceStub(grpc.insecure_channel(sys.argv[1]))
+stream = stub.Generate(orchestrator_pb2.GenerateRequest(prompt="hello", max_new_tokens=480,
+                                                        ignore_eos=True))
+next(stream)
+print("streaming", flush=True)
+sys.stdin.read()  # until killed
+"""
+
+
+def test_a_client_that_dies_mid_stream_frees_its_sessions(tiny_stack: Stack) -> None:
+    baseline = replica_state(tiny_stack)
+    clients = [subprocess.Popen([sys.executable, "-c", CLIENT, tiny_stack.address],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+               for _ in range(3)]
+    try:
+        for client in clients:
+            assert client.stdout is not None and client.stdout.readline().strip() == "streaming"
+    finally:
+        for client in clients:
+            client.kill()  # no goodbye: the connection just drops
+            client.wait()
+    state = wait_for_baseline(tiny_stack, baseline)
+    assert state["target tandem_sessions_total"] >= baseline["target tandem_sessions_total"] + 3
+    with tiny_stack.client() as client:
+        assert client.generate("hello", max_new_tokens=3).usage.completion_tokens == 3
