@@ -47,6 +47,8 @@ class ModelServiceConfig:
                            "changes acceptance, never the output")
     threads: int = option(0, "torch intra-op threads (0: torch's default)")
     max_sessions: int = option(256, "most concurrent sessions (streams) on this replica")
+    lookahead: str = option("5,3,5", "target only: Lookahead decoding's window W, n-gram size N and "
+                            "candidates G as W,N,G (off: do not offer it)")
     grace_s: float = option(30.0, "seconds to drain in-flight streams on SIGTERM")
     metrics_port: int = option(-1, "port for Prometheus metrics over HTTP (0 picks a free one; "
                                "-1: none)")
