@@ -23,6 +23,7 @@ draws, so verification keeps the target's exact law under sampling too.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import random
 from dataclasses import dataclass, field
@@ -97,26 +98,28 @@ def seed_window(history: list[int], config: LookaheadConfig) -> list[list[int]]:
             for level in range(config.ngram - 1)]
 
 
-def window_segment(levels: list[list[int]]) -> Segment:
-    """The lookahead branch as a segment (level 0's column 0 is the last history token)."""
-    w = len(levels[1])
-    assert len(levels[0]) == w - 1 and all(len(level) == w for level in levels[1:])
+@functools.cache
+def window_layout(window: int, ngram: int) -> tuple[tuple[int, ...], torch.Tensor]:
+    """Offsets [t] and visibility [t, t] of a W x (N-1) window, level by level, column by column."""
     index: dict[tuple[int, int], int] = {}  # (level, column) -> segment index
-    token_ids: list[int] = []
-    offsets: list[int] = []
-    for level, tokens in enumerate(levels):
-        for j, token in enumerate(tokens):
-            column = j + 1 if level == 0 else j
-            index[level, column] = len(token_ids)
-            token_ids.append(token)
-            offsets.append(level + column - 1)
-    visible = torch.zeros(len(token_ids), len(token_ids), dtype=torch.bool)
+    for level in range(ngram - 1):
+        for column in range(1 if level == 0 else 0, window):
+            index[level, column] = len(index)
+    visible = torch.zeros(len(index), len(index), dtype=torch.bool)
     for (level, column), i in index.items():
         for c in range(1, column + 1):
             visible[i, index[0, c]] = True
         for above in range(1, level + 1):
             visible[i, index[above, column]] = True
-    return Segment(tuple(token_ids), tuple(offsets), visible)
+    return tuple(level + column - 1 for level, column in index), visible
+
+
+def window_segment(levels: list[list[int]]) -> Segment:
+    """The lookahead branch as a segment (level 0's column 0 is the last history token)."""
+    w = len(levels[1])
+    assert len(levels[0]) == w - 1 and all(len(level) == w for level in levels[1:])
+    offsets, visible = window_layout(w, len(levels) + 1)
+    return Segment(tuple(t for level in levels for t in level), offsets, visible)
 
 
 def ngram_trie(continuations: list[tuple[int, ...]]) -> tuple[tuple[int, ...], tuple[int, ...]]:
