@@ -89,7 +89,10 @@ def test_candidates_put_the_tree_after_the_window_unseen_by_it() -> None:
 
 # --- One pass: the lookahead branch is read as columns, and leaves the tree's rows alone ---
 
-def test_window_rows_continue_their_columns(model) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_window_rows_continue_their_columns(tiny_target: Path, attn: str) -> None:
+    model = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32,
+                                                 attn_implementation=attn).eval()
     session = KVSession("s", vocab_size=VOCAB)
     history = [3, 4, 5, 6, 7]
     session.forward(model, history[:3], logits_to_keep=1)
@@ -170,10 +173,8 @@ def test_state_is_seeded_from_history_and_reset_on_rebuild(model) -> None:  # ty
     session = KVSession("s", vocab_size=VOCAB)
     history = [3, 4, 5, 6, 7, 8]
     propose_and_verify(model, session, Step(0, history), proposer, GREEDY, seed=1)
-    first = session.proposer_state[STATE_KEY]
-    assert first.steps == 1
-    assert all(t in history for level in LookaheadProposer(proposer.config).state(
-        KVSession("t", VOCAB), history).levels for t in level)
+    state = session.proposer_state[STATE_KEY]
+    assert state.steps == 1
     # A rebuilt cache (cache_position 0) drops the state; the new window is seeded again,
     # from the history alone (the same history gives the same window).
     session.rollback(0)
@@ -181,6 +182,7 @@ def test_state_is_seeded_from_history_and_reset_on_rebuild(model) -> None:  # ty
     fresh = [KVSession(name, VOCAB) for name in "ab"]
     windows = [proposer.state(s, history).levels for s in fresh]
     assert windows[0] == windows[1]
+    assert all(t in history for level in windows[0] for t in level)
     assert proposer.state(KVSession("c", VOCAB), history[:-1]).levels != windows[0]
 
 
@@ -199,14 +201,21 @@ def decode(model, proposer: LookaheadProposer, prompt: list[int], length: int,  
     return history[len(prompt):][:length], drafted, accepted
 
 
-@pytest.mark.parametrize("w, n, g", [(5, 3, 5), (3, 4, 2), (1, 3, 1)])
-def test_greedy_decoding_in_process_equals_generate(model, tiny_target: Path, w: int, n: int,  # type: ignore[no-untyped-def]
-                                                    g: int) -> None:
+PROMPT = [5, 6, 7, 8, 5, 6]
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_target: Path) -> list[int]:
     from tiny import greedy_reference
 
-    prompt = [5, 6, 7, 8, 5, 6]
-    tokens, drafted, accepted = decode(model, LookaheadProposer(LookaheadConfig(w, n, g)), prompt, 40)
-    assert tokens == greedy_reference(tiny_target, prompt, 40)
+    return greedy_reference(tiny_target, PROMPT, 40)
+
+
+@pytest.mark.parametrize("w, n, g", [(5, 3, 5), (3, 4, 2), (1, 3, 1)])
+def test_greedy_decoding_in_process_equals_generate(model, expected: list[int], w: int, n: int,  # type: ignore[no-untyped-def]
+                                                    g: int) -> None:
+    tokens, drafted, accepted = decode(model, LookaheadProposer(LookaheadConfig(w, n, g)), PROMPT, 40)
+    assert tokens == expected
     assert 0 <= accepted <= drafted
 
 
