@@ -7,6 +7,8 @@ Modes (each prompt runs every mode before the next prompt; the order rotates):
   tandem-k0         Tandem with num_speculative_tokens=0: plain target decoding via the services
   tandem            Tandem speculative, default policy, cheap draft
   tandem-plain-draft  Tandem speculative with the draft in the target's dtype (acceptance before quantization)
+  tandem-lookahead  Tandem with proposer=lookahead: no draft model; the target proposes n-grams from a
+                    Jacobi window scored in its own pass (--lookahead W,N,G, the target's default if unset)
 
 Results go to bench/results/<time>/: results.json, results.md and plot.png.
 """
@@ -29,7 +31,7 @@ from tandem import models
 from tandem.launch import Process, spawn, wait_serving
 
 HF_MODES = ("hf-target", "hf-assisted", "hf-assisted-cheap")
-TANDEM_MODES = ("tandem-k0", "tandem", "tandem-plain-draft")
+TANDEM_MODES = ("tandem-k0", "tandem", "tandem-plain-draft", "tandem-lookahead")
 MODES = HF_MODES + TANDEM_MODES
 
 
@@ -108,14 +110,15 @@ def hf_run(mode: str, target: Any, assistant: Any, ids: list[int], setting: Sett
     return out[0, len(ids):].tolist(), wall, (timer.first or started + wall) - started
 
 
-def tandem_run(client: Any, ids: list[int], setting: Setting, n: int, seed: int, k: int | None
-               ) -> tuple[list[int], float, float, Any]:
+def tandem_run(client: Any, ids: list[int], setting: Setting, n: int, seed: int, k: int | None,
+               proposer: str | None = None) -> tuple[list[int], float, float, Any]:
     started = time.perf_counter()
     first = None
     token_ids: list[int] = []
     summary = None
     for message in client.generate_stream(ids, max_new_tokens=n, temperature=setting.temperature,
-                                          seed=seed, num_speculative_tokens=k, ignore_eos=True):
+                                          seed=seed, num_speculative_tokens=k, ignore_eos=True,
+                                          proposer=proposer):
         if message.HasField("delta"):
             if first is None:
                 first = time.perf_counter()
@@ -178,6 +181,7 @@ def summarize(runs: list[Run], k: int) -> dict[str, Any]:
                 row["bytes_per_token"] = statistics.median(r.wire_bytes / r.tokens for r in mine)
                 # Decode steps only: the first step prefills both models and is reported as TTFT.
                 row["mean_tokens_per_target_pass"] = sum(r.tokens - 1 for r in mine) / passes
+                row["mean_accepted_per_target_pass"] = accepted / passes
                 step = {
                     "draft_ms": statistics.median(r.draft_ms / r.decode_passes for r in mine),
                     "verify_ms": statistics.median(r.target_ms / r.decode_passes for r in mine),
@@ -186,7 +190,9 @@ def summarize(runs: list[Run], k: int) -> dict[str, Any]:
                         for r in mine),
                 }
                 row["per_step"] = step
-                if drafted:
+                if drafted and mode != "tandem-lookahead":
+                    # Lookahead has no draft model: its cost is extra tokens in the target's pass,
+                    # which the block-draft bound does not model.
                     alpha = accepted / drafted
                     c = (sum(r.draft_ms for r in mine) / drafted) / (sum(r.target_ms for r in mine) / passes)
                     bound = leviathan_bound(alpha, k, c)
@@ -221,9 +227,9 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
         lines += [f"## {setting}", "",
                   ("| mode | tok/s | ×hf-target | ×hf-assisted | ×hf-assisted-cheap | ×tandem-k0 | TTFT s "
                    "| decode tok/s | decode ×hf-target | decode ×hf-assisted | decode ×tandem-k0 "
-                   "| α | tokens/pass | c | bound | achieved/bound | draft ms/step | verify ms/step "
+                   "| α | tokens/pass | accepted/pass | c | bound | achieved/bound | draft ms/step | verify ms/step "
                    "| other ms/step | bytes/token |"),
-                  "|" + "---|" * 20]
+                  "|" + "---|" * 21]
         for mode, r in table.items():
             step = r.get("per_step", {})
             lines.append(
@@ -232,7 +238,8 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
                 f"{f(r['speedup_vs_tandem_k0'])} | {f(r['ttft_s'])} | {f(r['decode_tok_s'])} | "
                 f"{f(r['decode_speedup_vs_hf_target'])} | {f(r['decode_speedup_vs_hf_assisted'])} | "
                 f"{f(r['decode_speedup_vs_tandem_k0'])} | {f(r.get('alpha'))} | "
-                f"{f(r.get('mean_tokens_per_target_pass'))} | {f(r.get('c'))} | "
+                f"{f(r.get('mean_tokens_per_target_pass'))} | "
+                f"{f(r.get('mean_accepted_per_target_pass'))} | {f(r.get('c'))} | "
                 f"{f(r.get('leviathan_bound'))} | {f(r.get('fraction_of_bound'))} | "
                 f"{f(step.get('draft_ms'), '{:.1f}')} | {f(step.get('verify_ms'), '{:.1f}')} | "
                 f"{f(step.get('other_ms'), '{:.2f}')} | {f(r.get('bytes_per_token'), '{:.0f}')} |")
@@ -296,6 +303,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--lookahead", default=None, help="target's W,N,G for tandem-lookahead "
+                        "(default: the target service's)")
     args = parser.parse_args(argv)
     if args.quick:
         args.num_code, args.num_prose, args.settings = 2, 1, "greedy"
@@ -318,8 +327,9 @@ def main(argv: list[str] | None = None) -> None:
     threads = ["--threads", str(args.threads), "--device", args.device]
     try:
         if set(modes) & set(TANDEM_MODES):
+            lookahead = ["--lookahead", args.lookahead] if args.lookahead else []
             procs["target-service"] = spawn(["target-service", "--model", args.target, "--dtype",
-                                             args.target_dtype, *threads])
+                                             args.target_dtype, *threads, *lookahead])
             cheap_args = ["--dtype", cheap.dtype] + (["--quantize", cheap.quantize] if cheap.quantize else [])
             procs["draft-service(cheap)"] = spawn(["draft-service", "--model", args.draft, *cheap_args, *threads])
             if "tandem-plain-draft" in modes:
@@ -393,7 +403,9 @@ def _one(mode: str, hf: dict[str, Any], clients: dict[str, Any], ids: list[int],
         tokens, wall, ttft = hf_run(mode, hf["target"], assistant, ids, setting, n, seed)
         return Run(mode, setting.name, name, kind, len(tokens), wall, ttft, tokens)
     client = clients["orchestrator(plain)" if mode == "tandem-plain-draft" else "orchestrator(cheap)"]
-    tokens, wall, ttft, usage = tandem_run(client, ids, setting, n, seed, 0 if mode == "tandem-k0" else k)
+    proposer = "lookahead" if mode == "tandem-lookahead" else None
+    tokens, wall, ttft, usage = tandem_run(client, ids, setting, n, seed, 0 if mode == "tandem-k0" else k,
+                                           proposer)
     return Run(mode, setting.name, name, kind, len(tokens), wall, ttft, tokens, usage.drafted_tokens,
                usage.accepted_tokens, usage.target_forward_passes, usage.draft_ms, usage.target_ms,
                usage.total_ms, usage.wire_bytes, usage.prefill_ms)

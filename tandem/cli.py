@@ -35,6 +35,13 @@ def _serve_model(args: argparse.Namespace, label: str) -> None:
         sys.exit("target-service: --quantize is for drafts only; Tandem never changes the target's "
                  "output. Choose the target's precision with --dtype.")
     tls = _server_tls(cfg, label)
+    if label == "target-service":
+        from target_service.lookahead import LookaheadConfig
+
+        try:
+            LookaheadConfig.parse(cfg.lookahead)
+        except ValueError as exc:
+            sys.exit(f"{label}: {exc}")
     configure_logging(cfg.log_level)
     host = ModelHost(cfg)
     if label == "draft-service":

@@ -54,6 +54,8 @@ class ModelServiceConfig(ServerSecurityConfig):
                                    "no budget; the log gives the bytes per token)")
     max_message_bytes: int = option(MAX_MESSAGE_BYTES, "largest request message accepted, in "
                                     "bytes; a larger one gets RESOURCE_EXHAUSTED")
+    lookahead: str = option("5,3,5", "target only: Lookahead decoding's window W, n-gram size N and "
+                            "candidates G as W,N,G (off: do not offer it)")
     grace_s: float = option(30.0, "seconds to drain in-flight streams on SIGTERM")
     metrics_port: int = option(-1, "port for Prometheus metrics over HTTP (0 picks a free one; "
                                "-1: none)")

@@ -21,6 +21,7 @@ from tandem import sampling
 from tandem.kv import KVSession, Segment
 from tandem.model_service import ModelServiceConfig
 from tandem.models import CausalLM
+from tandem.v1 import common_pb2
 
 
 @dataclass(frozen=True)
@@ -55,5 +56,10 @@ class TargetProposer(Protocol):
 
 def build_proposers(config: ModelServiceConfig, model: CausalLM) -> dict[int, TargetProposer]:
     """The target proposers this replica's configuration enables, keyed by common_pb2.Proposer."""
+    from target_service.lookahead import LookaheadConfig, LookaheadProposer
+
     proposers: dict[int, TargetProposer] = {}
+    lookahead = LookaheadConfig.parse(config.lookahead)
+    if lookahead is not None:
+        proposers[common_pb2.PROPOSER_LOOKAHEAD] = LookaheadProposer(lookahead)
     return proposers

@@ -34,7 +34,8 @@ def small_vocab(tiny_dir: Path) -> Iterator[tuple[Path, Stack]]:
     target = make_model(tiny_dir / "v4-target", seed=11, chars="ab", init_std=0.5)
     draft = make_draft_like(target, tiny_dir / "v4-draft", noise=0.5, seed=12)
     # min n-gram 1: prompt lookup proposes from a single matching token, so it proposes often.
-    stack = start_stack(str(draft), str(target),
+    # Lookahead N=3: its pool is first harvested after the second pass, so it verifies token 3.
+    stack = start_stack(str(draft), str(target), target_args=["--lookahead", "4,3,4"],
                         orchestrator_args=["--prompt-lookup-min-ngram", "1"])
     yield target, stack
     stack.stop()
@@ -51,7 +52,7 @@ def exact_law(target: Path, params: sampling.SamplingParams) -> torch.Tensor:
     return law.reshape(-1)
 
 
-@pytest.mark.parametrize("proposer", ["draft-model", "prompt-lookup"])
+@pytest.mark.parametrize("proposer", ["draft-model", "prompt-lookup", "lookahead"])
 @pytest.mark.parametrize("params", [
     sampling.SamplingParams(temperature=1.0),
     sampling.SamplingParams(temperature=0.8, top_k=3, top_p=0.9),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -54,6 +55,43 @@ def test_prompt_lookup_proposes_on_repeated_text(tiny_stack: Stack, tiny_target:
                                 proposer="prompt-lookup", ignore_eos=True)
     assert list(reply.token_ids) == greedy_reference(tiny_target, repeated, LENGTH)
     assert reply.usage.drafted_tokens > 0
+
+
+@pytest.fixture(scope="module")
+def lookahead_stacks(tiny_stack: Stack, tiny_target: Path) -> Iterator[dict[str, Stack]]:
+    """W,N,G -> a stack whose target runs Lookahead with them (tiny_stack: the default 5,3,5)."""
+    other = start_stack(None, str(tiny_target), target_args=["--lookahead", "3,4,2"])
+    yield {"5,3,5": tiny_stack, "3,4,2": other}
+    other.stop()
+
+
+@pytest.mark.parametrize("wng", ["5,3,5", "3,4,2"])
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_lookahead_greedy_output_equals_target_generate(lookahead_stacks: dict[str, Stack], reference,  # type: ignore[no-untyped-def]
+                                                        prompt: str, wng: str) -> None:
+    with lookahead_stacks[wng].client() as client:
+        reply = client.generate(prompt, max_new_tokens=LENGTH, num_speculative_tokens=4,
+                                proposer="lookahead", ignore_eos=True)
+    assert list(reply.token_ids) == reference(prompt, LENGTH)
+    usage = reply.usage
+    assert usage.proposer == common_pb2.PROPOSER_LOOKAHEAD
+    assert usage.drafted_tokens > 0
+    assert usage.accepted_tokens <= usage.drafted_tokens
+    # The last pass may accept a path longer than the tokens still wanted (the target does
+    # not know max_new_tokens); the orchestrator drops the excess.
+    assert 0 <= usage.accepted_tokens + usage.target_forward_passes - usage.completion_tokens < 4
+
+
+def test_lookahead_accepts_n_grams_once_the_output_loops(tiny_stack: Stack, reference) -> None:  # type: ignore[no-untyped-def]
+    # The tiny target's greedy continuation of "hello world" settles into "(((..." after ~18
+    # tokens; the Jacobi window converges to it and the pool's "(" -> ("(", "(") n-gram is then
+    # accepted whole. Deterministic for this seeded model (about 16 of 40 tokens accepted).
+    with tiny_stack.client() as client:
+        reply = client.generate(PROMPTS[1], max_new_tokens=LENGTH, num_speculative_tokens=4,
+                                proposer="lookahead", ignore_eos=True)
+    assert list(reply.token_ids) == reference(PROMPTS[1], LENGTH)
+    assert reply.usage.accepted_tokens >= 10
+    assert reply.usage.target_forward_passes <= LENGTH - 10
 
 
 def test_plain_target_decoding_through_the_services(tiny_stack: Stack, reference) -> None:  # type: ignore[no-untyped-def]
