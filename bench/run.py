@@ -7,6 +7,7 @@ Modes (each prompt runs every mode before the next prompt; the order rotates):
   tandem-k0         Tandem with num_speculative_tokens=0: plain target decoding via the services
   tandem            Tandem speculative, default policy, cheap draft
   tandem-plain-draft  Tandem speculative with the draft in the target's dtype (acceptance before quantization)
+  tandem-lookup     Tandem with proposer=prompt-lookup: n-gram matches in the history, no model
   tandem-lookahead  Tandem with proposer=lookahead: no draft model; the target proposes n-grams from a
                     Jacobi window scored in its own pass (--lookahead W,N,G, the target's default if unset)
 
@@ -31,7 +32,9 @@ from tandem import models
 from tandem.launch import Process, spawn, wait_serving
 
 HF_MODES = ("hf-target", "hf-assisted", "hf-assisted-cheap")
-TANDEM_MODES = ("tandem-k0", "tandem", "tandem-plain-draft", "tandem-lookahead")
+TANDEM_MODES = ("tandem-k0", "tandem", "tandem-plain-draft", "tandem-lookup", "tandem-lookahead")
+# Modes that ask for a proposer other than the deployment's default (the draft model).
+MODE_PROPOSERS = {"tandem-lookup": "prompt-lookup", "tandem-lookahead": "lookahead"}
 MODES = HF_MODES + TANDEM_MODES
 
 
@@ -403,7 +406,7 @@ def _one(mode: str, hf: dict[str, Any], clients: dict[str, Any], ids: list[int],
         tokens, wall, ttft = hf_run(mode, hf["target"], assistant, ids, setting, n, seed)
         return Run(mode, setting.name, name, kind, len(tokens), wall, ttft, tokens)
     client = clients["orchestrator(plain)" if mode == "tandem-plain-draft" else "orchestrator(cheap)"]
-    proposer = "lookahead" if mode == "tandem-lookahead" else None
+    proposer = MODE_PROPOSERS.get(mode)
     tokens, wall, ttft, usage = tandem_run(client, ids, setting, n, seed, 0 if mode == "tandem-k0" else k,
                                            proposer)
     return Run(mode, setting.name, name, kind, len(tokens), wall, ttft, tokens, usage.drafted_tokens,

@@ -184,17 +184,17 @@ class BearerTokenAuth(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             return await continuation(handler_call_details)
         log.warning("refused %s: %s", method, refusal)
         handler = await continuation(handler_call_details)
-        return None if handler is None else _denying(handler, refusal)
+        return None if handler is None else refusing(handler, grpc.StatusCode.UNAUTHENTICATED, refusal)
 
 
-def _denying(handler: Handler, message: str) -> Handler:
-    """A handler of the same shape as `handler` that ends every call UNAUTHENTICATED."""
+def refusing(handler: Handler, code: grpc.StatusCode, message: str) -> Handler:
+    """A handler of the same shape as `handler` that ends every call with `code`."""
 
     async def deny(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        await context.abort(code, message)
 
     async def deny_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        await context.abort(code, message)
         yield  # pragma: no cover  (an async generator, as streaming handlers are)
 
     codecs = {"request_deserializer": handler.request_deserializer,

@@ -37,7 +37,7 @@ from grpc_reflection.v1alpha import reflection
 
 from tandem import metrics
 from tandem.errors import TandemError
-from tandem.security import BearerTokenAuth, ServerTls, server_credentials
+from tandem.security import OPEN_SERVICES, BearerTokenAuth, ServerTls, refusing, server_credentials
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +77,7 @@ class RunningServer:
     # Plaintext, health-only server for probes (None: health is on the main port only).
     health_server: grpc.aio.Server | None = None
     health_port: int = -1
+    draining: RefuseWhileDraining | None = None
 
     async def stop(self, grace_s: float | None) -> None:
         await self.server.stop(grace_s)
@@ -103,7 +104,10 @@ async def start_server(services: list[Service], host: str = "127.0.0.1", port: i
     """
     if max_message_bytes < 1:
         raise ValueError(f"--max-message-bytes must be >= 1, got {max_message_bytes}")
-    interceptors: list[grpc.aio.ServerInterceptor] = [BearerTokenAuth(auth_token)] if auth_token else []
+    draining = RefuseWhileDraining()
+    interceptors: list[grpc.aio.ServerInterceptor] = [draining]
+    if auth_token:
+        interceptors.append(BearerTokenAuth(auth_token))
     interceptors.append(RejectUndecodable())
     server = grpc.aio.server(options=server_options(max_message_bytes), interceptors=interceptors)
     health_servicer = health.aio.HealthServicer()
@@ -125,7 +129,8 @@ async def start_server(services: list[Service], host: str = "127.0.0.1", port: i
     if health_server is not None:
         await health_server.start()
     running = RunningServer(server=server, port=bound, health=health_servicer, names=names,
-                            health_server=health_server, health_port=health_port)
+                            health_server=health_server, health_port=health_port,
+                            draining=draining)
     await running.set_serving(False)
     return running
 
@@ -190,9 +195,27 @@ async def _run_until_signal(services: list[Service], label: str, host: str,
     else:
         load.cancel()
     log.info("%s: draining for up to %.0fs", label, grace_s)
+    if running.draining is not None:
+        running.draining.active = True
     await running.health.enter_graceful_shutdown()
     await running.stop(grace_s)
     log.info("%s: stopped", label)
+
+
+class RefuseWhileDraining(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Once the server drains (SIGTERM), new calls but health get UNAVAILABLE; streams in
+    flight go on until they end or the grace period does."""
+
+    def __init__(self) -> None:
+        self.active = False
+
+    async def intercept_service(self, continuation: Callable[..., Any],
+                                handler_call_details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(handler_call_details)
+        if not self.active or handler is None or handler_call_details.method.startswith(OPEN_SERVICES):
+            return handler
+        return refusing(handler, grpc.StatusCode.UNAVAILABLE,
+                        "this replica is shutting down; retry on another one")
 
 
 def abort_status(exc: TandemError) -> tuple[grpc.StatusCode, str]:

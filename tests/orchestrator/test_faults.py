@@ -157,9 +157,27 @@ def test_deadline_ends_with_deadline_exceeded_after_the_tokens_produced(one_of_e
 
 
 def test_sigterm_drains_in_flight_streams_then_exits_zero(one_of_each: Stack, reference) -> None:  # type: ignore[no-untyped-def]
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from tandem.v1 import target_pb2, target_pb2_grpc
+
     target = one_of_each.targets[0]
-    tokens, summary = stream_with_fault(one_of_each, lambda: target.proc.send_signal(signal.SIGTERM),
-                                        num_speculative_tokens=4)
+    seen: dict[str, object] = {}
+
+    def drain() -> None:
+        target.proc.send_signal(signal.SIGTERM)
+        with grpc.insecure_channel(target.address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            wait_for(lambda: health.Check(health_pb2.HealthCheckRequest(), timeout=5).status
+                     == health_pb2.HealthCheckResponse.NOT_SERVING, "the draining target is NOT_SERVING")
+            step = target_pb2.ScoreBlocksRequest(session_id="late", new_token_ids=[3])
+            try:  # a new session while draining
+                next(target_pb2_grpc.TargetServiceStub(channel).ScoreBlocks(iter([step]), timeout=10))
+            except grpc.RpcError as exc:
+                seen["new_session"] = exc.code()
+
+    tokens, summary = stream_with_fault(one_of_each, drain, num_speculative_tokens=4)
+    assert seen["new_session"] == grpc.StatusCode.UNAVAILABLE
     # The stream that was in flight finishes, undisturbed; then the process exits 0.
     assert tokens == reference(PROMPTS[0], LENGTH)
     assert summary.usage.completion_tokens == LENGTH  # type: ignore[attr-defined]
