@@ -55,5 +55,12 @@ class TargetProposer(Protocol):
 
 def build_proposers(config: ModelServiceConfig, model: CausalLM) -> dict[int, TargetProposer]:
     """The target proposers this replica's configuration enables, keyed by common_pb2.Proposer."""
+    from tandem.v1 import common_pb2
+
     proposers: dict[int, TargetProposer] = {}
+    if config.medusa_heads:
+        from target_service.medusa import build_medusa
+
+        proposers[common_pb2.PROPOSER_MEDUSA] = build_medusa(config.medusa_heads,
+                                                             config.medusa_choices, model)
     return proposers
