@@ -7,6 +7,8 @@ Modes (each prompt runs every mode before the next prompt; the order rotates):
   tandem-k0         Tandem with num_speculative_tokens=0: plain target decoding via the services
   tandem            Tandem speculative, default policy, cheap draft
   tandem-plain-draft  Tandem speculative with the draft in the target's dtype (acceptance before quantization)
+  tandem-medusa     Tandem with Medusa heads on the target (only with --medusa-heads): no draft;
+                    the target proposes a token tree and verifies it in the same pass
 
 Results go to bench/results/<time>/: results.json, results.md and plot.png.
 """
@@ -29,8 +31,9 @@ from tandem import models
 from tandem.launch import Process, spawn, wait_serving
 
 HF_MODES = ("hf-target", "hf-assisted", "hf-assisted-cheap")
-TANDEM_MODES = ("tandem-k0", "tandem", "tandem-plain-draft")
+TANDEM_MODES = ("tandem-k0", "tandem", "tandem-plain-draft", "tandem-medusa")
 MODES = HF_MODES + TANDEM_MODES
+DRAFTLESS_MODES = ("tandem-k0", "tandem-medusa")  # accepted tokens come from no draft model
 
 
 @dataclass(frozen=True)
@@ -108,14 +111,15 @@ def hf_run(mode: str, target: Any, assistant: Any, ids: list[int], setting: Sett
     return out[0, len(ids):].tolist(), wall, (timer.first or started + wall) - started
 
 
-def tandem_run(client: Any, ids: list[int], setting: Setting, n: int, seed: int, k: int | None
-               ) -> tuple[list[int], float, float, Any]:
+def tandem_run(client: Any, ids: list[int], setting: Setting, n: int, seed: int, k: int | None,
+               proposer: str | None = None) -> tuple[list[int], float, float, Any]:
     started = time.perf_counter()
     first = None
     token_ids: list[int] = []
     summary = None
     for message in client.generate_stream(ids, max_new_tokens=n, temperature=setting.temperature,
-                                          seed=seed, num_speculative_tokens=k, ignore_eos=True):
+                                          seed=seed, num_speculative_tokens=k, ignore_eos=True,
+                                          proposer=proposer):
         if message.HasField("delta"):
             if first is None:
                 first = time.perf_counter()
@@ -178,6 +182,7 @@ def summarize(runs: list[Run], k: int) -> dict[str, Any]:
                 row["bytes_per_token"] = statistics.median(r.wire_bytes / r.tokens for r in mine)
                 # Decode steps only: the first step prefills both models and is reported as TTFT.
                 row["mean_tokens_per_target_pass"] = sum(r.tokens - 1 for r in mine) / passes
+                row["mean_accepted_per_target_pass"] = accepted / passes
                 step = {
                     "draft_ms": statistics.median(r.draft_ms / r.decode_passes for r in mine),
                     "verify_ms": statistics.median(r.target_ms / r.decode_passes for r in mine),
@@ -186,7 +191,7 @@ def summarize(runs: list[Run], k: int) -> dict[str, Any]:
                         for r in mine),
                 }
                 row["per_step"] = step
-                if drafted:
+                if drafted and mode not in DRAFTLESS_MODES:
                     alpha = accepted / drafted
                     c = (sum(r.draft_ms for r in mine) / drafted) / (sum(r.target_ms for r in mine) / passes)
                     bound = leviathan_bound(alpha, k, c)
@@ -215,15 +220,16 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
 
     header = (f"`{meta['command']}`: {meta['num_prompts']} prompts, {meta['max_new_tokens']} new tokens, "
               f"k={meta['k']}, target {meta['target_dtype']}, cheap draft {meta['cheap_draft']}, "
-              f"threads {meta['threads']}")
+              f"threads {meta['threads']}"
+              + (f", Medusa heads {meta['medusa_heads']}" if meta.get("medusa_heads") else ""))
     lines = [f"# tandem bench ({meta['started']})", "", header, ""]
     for setting, table in summary.items():
         lines += [f"## {setting}", "",
                   ("| mode | tok/s | ×hf-target | ×hf-assisted | ×hf-assisted-cheap | ×tandem-k0 | TTFT s "
                    "| decode tok/s | decode ×hf-target | decode ×hf-assisted | decode ×tandem-k0 "
-                   "| α | tokens/pass | c | bound | achieved/bound | draft ms/step | verify ms/step "
+                   "| α | tokens/pass | accepted/pass | c | bound | achieved/bound | draft ms/step | verify ms/step "
                    "| other ms/step | bytes/token |"),
-                  "|" + "---|" * 20]
+                  "|" + "---|" * 21]
         for mode, r in table.items():
             step = r.get("per_step", {})
             lines.append(
@@ -232,7 +238,8 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
                 f"{f(r['speedup_vs_tandem_k0'])} | {f(r['ttft_s'])} | {f(r['decode_tok_s'])} | "
                 f"{f(r['decode_speedup_vs_hf_target'])} | {f(r['decode_speedup_vs_hf_assisted'])} | "
                 f"{f(r['decode_speedup_vs_tandem_k0'])} | {f(r.get('alpha'))} | "
-                f"{f(r.get('mean_tokens_per_target_pass'))} | {f(r.get('c'))} | "
+                f"{f(r.get('mean_tokens_per_target_pass'))} | "
+                f"{f(r.get('mean_accepted_per_target_pass'))} | {f(r.get('c'))} | "
                 f"{f(r.get('leviathan_bound'))} | {f(r.get('fraction_of_bound'))} | "
                 f"{f(step.get('draft_ms'), '{:.1f}')} | {f(step.get('verify_ms'), '{:.1f}')} | "
                 f"{f(step.get('other_ms'), '{:.2f}')} | {f(r.get('bytes_per_token'), '{:.0f}')} |")
@@ -291,7 +298,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-code", type=int, default=20)
     parser.add_argument("--num-prose", type=int, default=10)
     parser.add_argument("--settings", default="greedy,t0.7")
-    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--modes", default=None,
+                        help="comma-separated (default: every mode; tandem-medusa only with --medusa-heads)")
+    parser.add_argument("--medusa-heads", default="",
+                        help="Medusa heads for the target (tandem train-medusa): adds tandem-medusa")
+    parser.add_argument("--medusa-choices", default="", help="the Medusa tree (default: the server's)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--out", default="bench/results")
@@ -300,7 +311,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         args.num_code, args.num_prose, args.settings = 2, 1, "greedy"
     n = args.max_new_tokens or (32 if args.quick else 128)
-    modes = [m for m in args.modes.split(",") if m]
+    modes = ([m for m in args.modes.split(",") if m] if args.modes is not None else
+             [m for m in MODES if m != "tandem-medusa" or args.medusa_heads])
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown:
+        parser.error(f"unknown modes {unknown}; choose from {', '.join(MODES)}")
+    if "tandem-medusa" in modes and not args.medusa_heads:
+        parser.error("mode tandem-medusa needs --medusa-heads (train them with tandem train-medusa)")
     settings = [s for s in SETTINGS if s.name in args.settings.split(",")]
     torch.set_num_threads(args.threads)
 
@@ -318,8 +335,11 @@ def main(argv: list[str] | None = None) -> None:
     threads = ["--threads", str(args.threads), "--device", args.device]
     try:
         if set(modes) & set(TANDEM_MODES):
+            medusa = ["--medusa-heads", args.medusa_heads] if "tandem-medusa" in modes else []
+            if medusa and args.medusa_choices:
+                medusa += ["--medusa-choices", args.medusa_choices]
             procs["target-service"] = spawn(["target-service", "--model", args.target, "--dtype",
-                                             args.target_dtype, *threads])
+                                             args.target_dtype, *threads, *medusa])
             cheap_args = ["--dtype", cheap.dtype] + (["--quantize", cheap.quantize] if cheap.quantize else [])
             procs["draft-service(cheap)"] = spawn(["draft-service", "--model", args.draft, *cheap_args, *threads])
             if "tandem-plain-draft" in modes:
@@ -370,6 +390,7 @@ def main(argv: list[str] | None = None) -> None:
             "started": started, "command": "tandem bench " + " ".join(argv or []),
             "num_prompts": len(items), "max_new_tokens": n, "k": k, "target_dtype": args.target_dtype,
             "cheap_draft": args.cheap_draft, "threads": f"{args.threads} per process",
+            "medusa_heads": args.medusa_heads or None,
             "device": args.device, "matches": matches(runs), "peak_rss_mb": rss,
         }
         out = Path(args.out) / time.strftime("%Y%m%d-%H%M%S")
@@ -393,7 +414,9 @@ def _one(mode: str, hf: dict[str, Any], clients: dict[str, Any], ids: list[int],
         tokens, wall, ttft = hf_run(mode, hf["target"], assistant, ids, setting, n, seed)
         return Run(mode, setting.name, name, kind, len(tokens), wall, ttft, tokens)
     client = clients["orchestrator(plain)" if mode == "tandem-plain-draft" else "orchestrator(cheap)"]
-    tokens, wall, ttft, usage = tandem_run(client, ids, setting, n, seed, 0 if mode == "tandem-k0" else k)
+    proposer = "medusa" if mode == "tandem-medusa" else None
+    tokens, wall, ttft, usage = tandem_run(client, ids, setting, n, seed, 0 if mode == "tandem-k0" else k,
+                                           proposer)
     return Run(mode, setting.name, name, kind, len(tokens), wall, ttft, tokens, usage.drafted_tokens,
                usage.accepted_tokens, usage.target_forward_passes, usage.draft_ms, usage.target_ms,
                usage.total_ms, usage.wire_bytes, usage.prefill_ms)

@@ -245,3 +245,15 @@ def test_heads_for_another_model_still_give_exact_output(tiny_dir: Path, tiny_ta
     ids = make_tokenizer().encode(PROMPTS[0])
     out, proposed, _ = decode(model, proposer, ids, 30, sampling.SamplingParams())
     assert out == greedy_reference(other, ids, 30) and proposed > 0
+
+
+def test_train_medusa_command_writes_loadable_heads(tiny_target: Path, tmp_path: Path,  # type: ignore[no-untyped-def]
+                                                    capsys) -> None:
+    from tandem.cli import main
+
+    main(["train-medusa", "--target", str(tiny_target), "--out", str(tmp_path / "heads"),
+          "--dtype", "float32", "--num-heads", "2", "--num-code", "3", "--num-prose", "2",
+          "--max-new-tokens", "16", "--epochs", "1", "--threads", "1"])
+    assert "wrote 2 Medusa heads" in capsys.readouterr().out
+    heads = load_heads(str(tmp_path / "heads"))
+    assert heads.num_heads == 2 and heads.base_model_name_or_path == str(tiny_target)
