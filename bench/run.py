@@ -10,6 +10,8 @@ Modes (each prompt runs every mode before the next prompt; the order rotates):
   tandem-lookup     Tandem with proposer=prompt-lookup: n-gram matches in the history, no model
   tandem-lookahead  Tandem with proposer=lookahead: no draft model; the target proposes n-grams from a
                     Jacobi window scored in its own pass (--lookahead W,N,G, the target's default if unset)
+  tandem-medusa     Tandem with Medusa heads on the target (only with --medusa-heads): no draft;
+                    the target proposes a token tree and verifies it in the same pass
 
 Results go to bench/results/<time>/: results.json, results.md and plot.png.
 """
@@ -32,10 +34,13 @@ from tandem import models
 from tandem.launch import Process, spawn, wait_serving
 
 HF_MODES = ("hf-target", "hf-assisted", "hf-assisted-cheap")
-TANDEM_MODES = ("tandem-k0", "tandem", "tandem-plain-draft", "tandem-lookup", "tandem-lookahead")
+TANDEM_MODES = ("tandem-k0", "tandem", "tandem-plain-draft", "tandem-lookup", "tandem-lookahead",
+                "tandem-medusa")
 # Modes that ask for a proposer other than the deployment's default (the draft model).
-MODE_PROPOSERS = {"tandem-lookup": "prompt-lookup", "tandem-lookahead": "lookahead"}
+MODE_PROPOSERS = {"tandem-lookup": "prompt-lookup", "tandem-lookahead": "lookahead",
+                  "tandem-medusa": "medusa"}
 MODES = HF_MODES + TANDEM_MODES
+DRAFTLESS_MODES = ("tandem-k0", "tandem-medusa")  # accepted tokens come from no draft model
 
 
 @dataclass(frozen=True)
@@ -193,9 +198,7 @@ def summarize(runs: list[Run], k: int) -> dict[str, Any]:
                         for r in mine),
                 }
                 row["per_step"] = step
-                if drafted and mode != "tandem-lookahead":
-                    # Lookahead has no draft model: its cost is extra tokens in the target's pass,
-                    # which the block-draft bound does not model.
+                if drafted and mode not in DRAFTLESS_MODES:
                     alpha = accepted / drafted
                     c = (sum(r.draft_ms for r in mine) / drafted) / (sum(r.target_ms for r in mine) / passes)
                     bound = leviathan_bound(alpha, k, c)
@@ -224,7 +227,8 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
 
     header = (f"`{meta['command']}`: {meta['num_prompts']} prompts, {meta['max_new_tokens']} new tokens, "
               f"k={meta['k']}, target {meta['target_dtype']}, cheap draft {meta['cheap_draft']}, "
-              f"threads {meta['threads']}")
+              f"threads {meta['threads']}"
+              + (f", Medusa heads {meta['medusa_heads']}" if meta.get("medusa_heads") else ""))
     lines = [f"# tandem bench ({meta['started']})", "", header, ""]
     for setting, table in summary.items():
         lines += [f"## {setting}", "",
@@ -301,7 +305,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-code", type=int, default=20)
     parser.add_argument("--num-prose", type=int, default=10)
     parser.add_argument("--settings", default="greedy,t0.7")
-    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--modes", default=None,
+                        help="comma-separated (default: every mode; tandem-medusa only with --medusa-heads)")
+    parser.add_argument("--medusa-heads", default="",
+                        help="Medusa heads for the target (tandem train-medusa): adds tandem-medusa")
+    parser.add_argument("--medusa-choices", default="", help="the Medusa tree (default: the server's)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--out", default="bench/results")
@@ -312,7 +320,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         args.num_code, args.num_prose, args.settings = 2, 1, "greedy"
     n = args.max_new_tokens or (32 if args.quick else 128)
-    modes = [m for m in args.modes.split(",") if m]
+    modes = ([m for m in args.modes.split(",") if m] if args.modes is not None else
+             [m for m in MODES if m != "tandem-medusa" or args.medusa_heads])
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown:
+        parser.error(f"unknown modes {unknown}; choose from {', '.join(MODES)}")
+    if "tandem-medusa" in modes and not args.medusa_heads:
+        parser.error("mode tandem-medusa needs --medusa-heads (train them with tandem train-medusa)")
     settings = [s for s in SETTINGS if s.name in args.settings.split(",")]
     torch.set_num_threads(args.threads)
 
@@ -331,8 +345,11 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if set(modes) & set(TANDEM_MODES):
             lookahead = ["--lookahead", args.lookahead] if args.lookahead else []
+            medusa = ["--medusa-heads", args.medusa_heads] if "tandem-medusa" in modes else []
+            if medusa and args.medusa_choices:
+                medusa += ["--medusa-choices", args.medusa_choices]
             procs["target-service"] = spawn(["target-service", "--model", args.target, "--dtype",
-                                             args.target_dtype, *threads, *lookahead])
+                                             args.target_dtype, *threads, *lookahead, *medusa])
             cheap_args = ["--dtype", cheap.dtype] + (["--quantize", cheap.quantize] if cheap.quantize else [])
             procs["draft-service(cheap)"] = spawn(["draft-service", "--model", args.draft, *cheap_args, *threads])
             if "tandem-plain-draft" in modes:
@@ -383,6 +400,7 @@ def main(argv: list[str] | None = None) -> None:
             "started": started, "command": "tandem bench " + " ".join(argv or []),
             "num_prompts": len(items), "max_new_tokens": n, "k": k, "target_dtype": args.target_dtype,
             "cheap_draft": args.cheap_draft, "threads": f"{args.threads} per process",
+            "medusa_heads": args.medusa_heads or None,
             "device": args.device, "matches": matches(runs), "peak_rss_mb": rss,
         }
         out = Path(args.out) / time.strftime("%Y%m%d-%H%M%S")

@@ -1,4 +1,4 @@
-"""The `tandem` command: run services, start a local stack, generate text, benchmark."""
+"""The `tandem` command: run services, start a local stack, generate text, benchmark, train Medusa heads."""
 
 from __future__ import annotations
 
@@ -35,6 +35,16 @@ def _serve_model(args: argparse.Namespace, label: str) -> None:
         sys.exit("target-service: --quantize is for drafts only; Tandem never changes the target's "
                  "output. Choose the target's precision with --dtype.")
     tls = _server_tls(cfg, label)
+    if cfg.medusa_heads and label == "draft-service":
+        sys.exit("draft-service: --medusa-heads is for the target service (the heads read the "
+                 "target's hidden states)")
+    if cfg.medusa_choices:
+        from target_service.medusa import parse_choices
+
+        try:
+            parse_choices(cfg.medusa_choices)
+        except ValueError as exc:
+            sys.exit(f"{label}: {exc}")
     if label == "target-service":
         from target_service.lookahead import LookaheadConfig
 
@@ -219,6 +229,15 @@ def build_parser() -> argparse.ArgumentParser:
                      help="file holding the orchestrator's bearer token [env "
                           "TANDEM_AUTH_TOKEN_FILE; or the token itself in TANDEM_AUTH_TOKEN]")
     gen.set_defaults(func=_generate)
+
+    train = sub.add_parser("train-medusa", help="train Medusa heads for a target on its own text",
+                           description="Medusa-1 heads by self-distillation: the frozen target "
+                           "continues training prompts, the heads learn to predict its tokens "
+                           "t+2.., and are saved in the published Medusa format.")
+    from target_service import medusa_train
+
+    medusa_train.add_arguments(train)
+    train.set_defaults(func=medusa_train.main)
 
     sub.add_parser("bench", help="benchmark every mode side by side (tandem bench --help)")
     sub.add_parser("bench-load", help="concurrent clients: errors, exactness, leaks, latency "

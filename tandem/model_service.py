@@ -60,6 +60,12 @@ class ModelServiceConfig(ServerSecurityConfig):
     metrics_port: int = option(-1, "port for Prometheus metrics over HTTP (0 picks a free one; "
                                "-1: none)")
     log_level: str = option("INFO", "logging level")
+    medusa_heads: str = option("", "target only: Medusa heads (a directory or hub id in the "
+                               "published format, e.g. from tandem train-medusa); offers proposer "
+                               "medusa")
+    medusa_choices: str = option("", "target only: the Medusa tree as a JSON list of paths of "
+                                 "top-k indices, e.g. [[0],[1],[0,0]] (default: a 14-node tree "
+                                 "of depth 3, sized for CPUs)")
 
 
 @dataclass(frozen=True)

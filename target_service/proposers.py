@@ -62,4 +62,9 @@ def build_proposers(config: ModelServiceConfig, model: CausalLM) -> dict[int, Ta
     lookahead = LookaheadConfig.parse(config.lookahead)
     if lookahead is not None:
         proposers[common_pb2.PROPOSER_LOOKAHEAD] = LookaheadProposer(lookahead)
+    if config.medusa_heads:
+        from target_service.medusa import build_medusa
+
+        proposers[common_pb2.PROPOSER_MEDUSA] = build_medusa(config.medusa_heads,
+                                                             config.medusa_choices, model)
     return proposers

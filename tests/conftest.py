@@ -51,3 +51,11 @@ def reference(tiny_target: Path):  # type: ignore[no-untyped-def]
         return cache[key]
 
     return ref
+
+
+@pytest.fixture(scope="session")
+def tiny_medusa(tiny_dir: Path, tiny_target: Path) -> Path:
+    """Medusa heads for tiny_target, trained on its own greedy text."""
+    from tiny import make_medusa_heads
+
+    return make_medusa_heads(tiny_target, tiny_dir / "medusa")

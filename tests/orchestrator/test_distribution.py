@@ -3,7 +3,7 @@
 A 4-token vocabulary makes the exact law of the first three generated tokens
 computable (64 cells). The orchestrator's first step is the target alone (it
 prefills both caches), so speculation decides tokens 2 and 3: the second step
-drafts k=2 of them. Chi-square test, false-alarm rate ALPHA; the core test
+drafts k=2 of them (or, with Medusa, verifies the heads' 14-node tree). Chi-square test, false-alarm rate ALPHA; the core test
 (tests/tandem/test_sampling.py) shows the same test fails for broken acceptance rules.
 """
 
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from scipy import stats
-from tiny import make_draft_like, make_model
+from tiny import make_draft_like, make_medusa_heads, make_model
 from transformers import AutoModelForCausalLM
 
 from tandem import sampling
@@ -33,9 +33,13 @@ VOCAB = 4
 def small_vocab(tiny_dir: Path) -> Iterator[tuple[Path, Stack]]:
     target = make_model(tiny_dir / "v4-target", seed=11, chars="ab", init_std=0.5)
     draft = make_draft_like(target, tiny_dir / "v4-draft", noise=0.5, seed=12)
+    # Heads trained on the target's sampled text: the tree holds likely and unlikely tokens.
+    heads = make_medusa_heads(target, tiny_dir / "v4-medusa", temperature=1.0, num_prompts=128,
+                              epochs=2)
     # min n-gram 1: prompt lookup proposes from a single matching token, so it proposes often.
     # Lookahead N=3: its pool is first harvested after the second pass, so it verifies token 3.
-    stack = start_stack(str(draft), str(target), target_args=["--lookahead", "4,3,4"],
+    stack = start_stack(str(draft), str(target),
+                        target_args=["--lookahead", "4,3,4", "--medusa-heads", str(heads)],
                         orchestrator_args=["--prompt-lookup-min-ngram", "1"])
     yield target, stack
     stack.stop()
@@ -52,11 +56,17 @@ def exact_law(target: Path, params: sampling.SamplingParams) -> torch.Tensor:
     return law.reshape(-1)
 
 
-@pytest.mark.parametrize("proposer", ["draft-model", "prompt-lookup", "lookahead"])
-@pytest.mark.parametrize("params", [
-    sampling.SamplingParams(temperature=1.0),
-    sampling.SamplingParams(temperature=0.8, top_k=3, top_p=0.9),
-], ids=["t1", "t0.8-topk3-topp0.9"])
+T1 = sampling.SamplingParams(temperature=1.0)
+TRUNCATED = sampling.SamplingParams(temperature=0.8, top_k=3, top_p=0.9)
+
+
+@pytest.mark.parametrize("params, proposer", [
+    *((params, proposer) for proposer in ("draft-model", "prompt-lookup", "lookahead")
+      for params in (T1, TRUNCATED)),
+    # NOTE: Medusa in one setting only: each costs ~40 s of requests through real processes;
+    # the tree rule itself is tested against exact laws in tests/tandem/test_sampling.py.
+    (T1, "medusa"),
+], ids=lambda v: v if isinstance(v, str) else "t1" if v == T1 else "t0.8-topk3-topp0.9")
 def test_speculative_sampling_matches_target_law(small_vocab: tuple[Path, Stack],
                                                  params: sampling.SamplingParams, proposer: str) -> None:
     target, stack = small_vocab

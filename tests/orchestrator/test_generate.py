@@ -159,6 +159,43 @@ def test_stop_string_truncates_text(tiny_stack: Stack, reference) -> None:  # ty
     assert reply.usage.completion_tokens == len(reply.token_ids) < LENGTH
 
 
+# --- Medusa heads on the target: it proposes a token tree and verifies it in one pass ---
+
+@pytest.fixture(scope="module")
+def medusa_stack(tiny_target: Path, tiny_medusa: Path) -> Iterator[Stack]:
+    # No draft service: the target proposes for itself.
+    stack = start_stack(None, str(tiny_target), target_args=["--medusa-heads", str(tiny_medusa)])
+    yield stack
+    stack.stop()
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_medusa_greedy_output_equals_target_generate(medusa_stack: Stack, reference, prompt: str) -> None:  # type: ignore[no-untyped-def]
+    with medusa_stack.client() as client:
+        reply = client.generate(prompt, max_new_tokens=LENGTH, proposer="medusa", ignore_eos=True)
+    assert list(reply.token_ids) == reference(prompt, LENGTH)
+    usage = reply.usage
+    assert usage.proposer == common_pb2.PROPOSER_MEDUSA
+    # Heads trained on the target's own text propose tokens it keeps.
+    assert usage.drafted_tokens > 0 and usage.accepted_tokens > 0
+    # The last step's tree may commit past max_new_tokens; the surplus is dropped.
+    assert usage.completion_tokens <= usage.accepted_tokens + usage.target_forward_passes
+
+
+def test_medusa_sampling_is_seeded(medusa_stack: Stack) -> None:
+    with medusa_stack.client() as client:
+        runs = [client.generate(PROMPTS[0], max_new_tokens=LENGTH, temperature=1.0, seed=seed,
+                                proposer="medusa", ignore_eos=True).token_ids for seed in (5, 5, 6)]
+    assert list(runs[0]) == list(runs[1]) != list(runs[2])
+
+
+def test_medusa_is_refused_where_the_target_has_no_heads(tiny_stack: Stack) -> None:
+    with tiny_stack.client() as client, pytest.raises(grpc.RpcError) as err:
+        client.generate(PROMPTS[0], max_new_tokens=4, proposer="medusa")
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "PROPOSER_MEDUSA is not offered" in err.value.details()
+
+
 # --- A draft that never agrees: the first drafted token is rejected at every step ---
 
 def test_first_draft_token_rejected_every_step(tiny_dir: Path, tiny_target: Path, reference) -> None:  # type: ignore[no-untyped-def]
