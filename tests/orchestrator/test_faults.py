@@ -166,13 +166,23 @@ def test_sigterm_drains_in_flight_streams_then_exits_zero(one_of_each: Stack, re
 
     def drain() -> None:
         target.proc.send_signal(signal.SIGTERM)
+        # Once draining, the replica is NOT_SERVING and refuses new sessions: the bootstrap
+        # answers UNAVAILABLE, and soon its listener is closed (which also reads UNAVAILABLE).
         with grpc.insecure_channel(target.address) as channel:
             health = health_pb2_grpc.HealthStub(channel)
-            wait_for(lambda: health.Check(health_pb2.HealthCheckRequest(), timeout=5).status
-                     == health_pb2.HealthCheckResponse.NOT_SERVING, "the draining target is NOT_SERVING")
+
+            def not_serving() -> bool:
+                try:
+                    return bool(health.Check(health_pb2.HealthCheckRequest(), timeout=5).status
+                                == health_pb2.HealthCheckResponse.NOT_SERVING)
+                except grpc.RpcError as exc:
+                    return exc.code() == grpc.StatusCode.UNAVAILABLE
+
+            wait_for(not_serving, "the draining target is NOT_SERVING or gone")
             step = target_pb2.ScoreBlocksRequest(session_id="late", new_token_ids=[3])
-            try:  # a new session while draining
+            try:
                 next(target_pb2_grpc.TargetServiceStub(channel).ScoreBlocks(iter([step]), timeout=10))
+                seen["new_session"] = grpc.StatusCode.OK
             except grpc.RpcError as exc:
                 seen["new_session"] = exc.code()
 
