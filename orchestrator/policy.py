@@ -58,6 +58,11 @@ class CostModel:
         single = self.verify_ms.get(1)
         return single.value if single is not None else None
 
+    def for_proposer(self) -> CostModel:
+        """A cost model for another proposer: its own draft cost and acceptance, but this
+        deployment's target, so the same verify and overhead measurements."""
+        return CostModel(verify_ms=self.verify_ms, overhead_ms=self.overhead_ms)
+
     def observe(self, k: int, accepted: int, draft_ms: float, verify_ms: float, step_ms: float,
                 verify_tokens: int) -> None:
         if k > 0:
@@ -90,9 +95,11 @@ class Speculation:
         if self.policy == "fixed" or cap == 0:
             return cap
         t_draft = self.costs.draft_ms_per_token.value
-        t_one = self.costs.verify(1)
-        if t_draft is None or t_one is None:
+        if t_draft is None:
             return cap  # nothing measured yet: speculate, and learn
+        t_one = self.costs.verify(1)
+        if t_one is None:
+            return 0  # only blocks were measured: learn what a plain step costs, once
         alpha, overhead = self.alpha(), self.costs.overhead_ms.value or 0.0
         best_k, best_rate = 0, 0.0
         for k in range(cap + 1):

@@ -186,8 +186,9 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         self.targets: ReplicaPool | None = None
         if config.speculation_policy not in POLICIES:
             raise ValueError(f"--speculation-policy must be one of {POLICIES}")
-        # Costs and acceptance differ per proposer, so each learns its own.
-        self.costs: dict[int, CostModel] = collections.defaultdict(CostModel)
+        # Acceptance and draft cost differ per proposer; verify costs are the target's, shared.
+        target_costs = CostModel()
+        self.costs: dict[int, CostModel] = collections.defaultdict(target_costs.for_proposer)
         self.default_proposer = proposer_kind(config.proposer) if config.proposer else (
             common_pb2.PROPOSER_DRAFT_MODEL if _addresses(config.draft) or config.draft_service_name
             else common_pb2.PROPOSER_NONE)

@@ -61,3 +61,26 @@ def test_adaptive_probes_after_idle_steps() -> None:
         assert policy.choose(remaining=100) == 0
         policy.observe(0, 0, 0.0, 400.0, 400.0, 1)
     assert policy.choose(remaining=100) == 1
+
+
+def test_adaptive_measures_a_plain_step_when_only_blocks_were_measured() -> None:
+    # Found by the benchmark: a deployment whose requests always drafted never learned what a
+    # one-token pass costs, and kept drafting k_max blocks that cost 4x a plain step.
+    costs = CostModel()
+    costs.draft_ms_per_token.value, costs.alpha.value = 80.0, 0.5
+    costs.observe(4, 2, 320.0, 900.0, 1220.0, 5)
+    policy = Speculation("adaptive", 4, costs)
+    assert policy.choose(remaining=100) == 0  # measure the one-token pass first
+    costs.observe(0, 0, 0.0, 240.0, 240.0, 1)
+    # Then the measured 5-token block is no longer worth it (sizes 2-4, unmeasured, are
+    # assumed to cost one token's pass until tried).
+    assert policy.choose(remaining=100) < 4
+
+
+def test_every_proposer_shares_the_targets_verify_costs() -> None:
+    from orchestrator.service import OrchestratorConfig, OrchestratorService
+
+    service = OrchestratorService(OrchestratorConfig(target="127.0.0.1:1"))
+    draft, lookup = service.costs[2], service.costs[3]
+    assert draft.verify_ms is lookup.verify_ms and draft.overhead_ms is lookup.overhead_ms
+    assert draft.alpha is not lookup.alpha and draft.draft_ms_per_token is not lookup.draft_ms_per_token
