@@ -8,7 +8,7 @@ import grpc
 
 from draft_service.proposer import propose_block
 from tandem.errors import InvalidRequest
-from tandem.model_service import ModelServicer, sampling_from, step_from, timed
+from tandem.model_service import ModelServicer, sampling_from, step_from
 from tandem.server import handle_errors
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
@@ -39,7 +39,7 @@ class DraftService(ModelServicer, draft_pb2_grpc.DraftServiceServicer):
                 raise InvalidRequest(
                     f"max_support_size must be in [1, {MAX_SUPPORT_SIZE}], got {request.max_support_size}")
             params = sampling_from(request.sampling)
-            block, ms = await self.host.run(timed, propose_block, model, session, step, k, params,
+            block, ms = await self.host.run_step(session, propose_block, model, session, step, k, params,
                                             request.max_support_size, request.seed)
             yield draft_pb2.ProposeBlocksResponse(
                 token_ids=block.token_ids,

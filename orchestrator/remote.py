@@ -167,6 +167,8 @@ class DraftBlock:
 EMPTY_BLOCK = DraftBlock((), (), (), 0, 0.0)
 
 
+# A step whose session is evicted again and again (a replica short of KV room) gives up.
+_MAX_EVICTIONS_PER_STEP = 8
 # After these, the session is rebuilt from the history, on another replica when one is
 # healthy: the replica died, restarted or is shutting down (UNAVAILABLE, CANCELLED), evicted
 # the session's cache (NOT_FOUND), lost track of it (OUT_OF_RANGE), or is full.
@@ -212,7 +214,7 @@ class RemoteSession:
         step from cache position 0 on any replica gives exactly the answer the lost one would.
         """
         loop = asyncio.get_running_loop()
-        give_up, backoff, attempts = loop.time() + self.retry_s, 0.05, 0
+        give_up, backoff, attempts, evictions = loop.time() + self.retry_s, 0.05, 0, 0
         while True:
             call = self._open(method)
             where = self.replica.address if self.replica else "?"
@@ -238,12 +240,19 @@ class RemoteSession:
             await self.close()
             if failed is not None and code not in _REPLICA_ALIVE:
                 self.pool.mark_failed(failed)
-            self.synced, attempts = 0, attempts + 1
-            # Every replica had a chance; only a dead one (which may restart) is waited for.
-            if attempts > len(self.pool.replicas) and (code in _REPLICA_ALIVE or loop.time() >= give_up):
+            self.synced = 0
+            # An eviction (NOT_FOUND) says nothing against the replica: rebuild there again, a
+            # few times. Otherwise every replica gets a chance, and only a dead one (which may
+            # restart) is waited for.
+            if code == grpc.StatusCode.NOT_FOUND:
+                evictions += 1
+            else:
+                attempts += 1
+            if evictions > _MAX_EVICTIONS_PER_STEP or (attempts > len(self.pool.replicas) and (
+                    code in _REPLICA_ALIVE or loop.time() >= give_up)):
                 error = ResourceExhausted if code == grpc.StatusCode.RESOURCE_EXHAUSTED else Unavailable
                 raise error(f"{method} on replica {where} failed ({problem}); no replica could "
-                            f"take the session over after {attempts} attempts")
+                            f"take the session over after {attempts + evictions} attempts")
             self.rebuilds += 1
             metrics.SESSION_REBUILDS.labels(self.pool.service).inc()
             log.warning("session %s lost on %s replica %s (%s): rebuilding it from the history",

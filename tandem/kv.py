@@ -8,6 +8,9 @@ back to it (rollback), then the step's new tokens are appended.
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,7 +60,8 @@ class KVSession:
     # n-gram pool); like the cache, it may be lost at any time and is rebuilt as it goes.
     proposer_state: dict[str, Any] = field(default_factory=dict)
     # Budget bookkeeping (SessionTable): tokens this session may hold after its current step,
-    # when it was last used, whether a step of it is in flight, whether its cache was evicted.
+    # when it was last used, whether a step of it runs on the forward worker now, whether its
+    # cache was evicted.
     reserved: int = 0
     last_used: int = 0
     busy: bool = False
@@ -69,11 +73,10 @@ class KVSession:
 
     def rollback(self, cache_position: int) -> None:
         """Drop cached tokens past `cache_position`."""
-        if self.evicted and cache_position > 0:
+        if self.evicted:
             raise SessionEvicted(
                 f"session {self.session_id}'s KV cache was evicted to make room for other "
-                "sessions (--kv-budget-tokens); resend its history from cache_position 0")
-        self.evicted = False
+                "sessions (--kv-budget-tokens); open a new session and resend the history")
         if cache_position > self.length:
             raise CacheMismatch(
                 f"cache_position {cache_position} is beyond the session's cache length "
@@ -87,7 +90,9 @@ class KVSession:
             self.cache.crop(cache_position - self.length)
 
     def evict(self) -> None:
-        """Free the cache; the session's next step must rebuild it from cache_position 0."""
+        """Free the cache. The session is over: its next step gets NOT_FOUND (a step already
+        queued included, so its reservation is released too), and the caller rebuilds the
+        cache on a new session."""
         self.cache = DynamicCache()
         self.proposer_state.clear()
         self.evicted = True
@@ -143,9 +148,12 @@ class SessionTable:
     """Live sessions of one service, bounded by `max_sessions` and a KV budget in tokens.
 
     Before a step, `reserve` claims what the session will hold after it. When the claims
-    exceed the budget, idle sessions' caches are evicted, least recently used first; an
-    evicted session's next step gets NOT_FOUND and the orchestrator rebuilds it from its
-    history. A step that cannot fit even so gets RESOURCE_EXHAUSTED, never an out-of-memory kill.
+    exceed the budget, other sessions' caches are evicted, least recently used first, unless
+    their step is running on the forward worker (`running`; a step still queued is fair game:
+    it will find its cache gone). An evicted session's next step gets NOT_FOUND and the
+    orchestrator rebuilds it from its history. A step that cannot fit even so gets
+    RESOURCE_EXHAUSTED, never an out-of-memory kill. Eviction and the start of a step take one
+    lock, since steps run on the worker thread and reservations on the event loop.
     """
 
     def __init__(self, max_sessions: int, kv_budget_tokens: int = 0) -> None:
@@ -154,6 +162,7 @@ class SessionTable:
         self._sessions: dict[int, KVSession] = {}
         self._next = 0
         self._clock = 0
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -185,20 +194,31 @@ class SessionTable:
             raise ResourceExhausted(
                 f"this step needs {tokens} cached tokens but the replica's KV budget is {budget} "
                 "(--kv-budget-tokens); shorten the prompt or max_new_tokens")
-        claimed = sum(max(s.reserved, s.length) for s in self._sessions.values())
-        idle = sorted((s for s in self._sessions.values() if s is not session and not s.busy
-                       and s.length), key=lambda s: s.last_used)
-        for victim in idle:
-            if claimed <= budget:
-                break
-            claimed -= max(victim.reserved, victim.length)
-            victim.evict()
-            victim.reserved = 0
+        with self._lock:
+            claimed = sum(max(s.reserved, s.length) for s in self._sessions.values())
+            idle = sorted((s for s in self._sessions.values() if s is not session and not s.busy
+                           and max(s.reserved, s.length)), key=lambda s: s.last_used)
+            for victim in idle:
+                if claimed <= budget:
+                    break
+                claimed -= max(victim.reserved, victim.length)
+                victim.evict()
+                victim.reserved = 0
         if claimed > budget:
             session.reserved = session.length
             raise ResourceExhausted(
-                f"the replica's KV budget ({budget} tokens, --kv-budget-tokens) is held by steps "
-                "in flight; retry, or add replicas")
+                f"the replica's KV budget ({budget} tokens, --kv-budget-tokens) is held by the "
+                "step running now; retry, or add replicas")
+
+    @contextlib.contextmanager
+    def running(self, session: KVSession) -> Iterator[None]:
+        """Around a step on the forward worker: its session cannot be evicted meanwhile."""
+        with self._lock:
+            session.busy = True
+        try:
+            yield
+        finally:
+            session.busy = False
 
     def settle(self, session: KVSession) -> None:
         """After a step: the session holds what its cache holds."""

@@ -113,9 +113,13 @@ class ModelHost:
             raise Unavailable("the model is still loading; wait for health SERVING")
         return self.model
 
-    async def run(self, fn: Callable[..., R], *args: Any) -> R:
-        """Run fn(*args) on the forward worker."""
-        return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
+    async def run_step(self, session: KVSession, fn: Callable[..., R], *args: Any) -> tuple[R, float]:
+        """Run fn(*args) for `session` on the forward worker; its result and wall time in ms."""
+        def step() -> tuple[R, float]:
+            with self.sessions.running(session):
+                return timed(fn, *args)
+
+        return await asyncio.get_running_loop().run_in_executor(self._worker, step)
 
     async def session_stream(self, requests: AsyncIterator[Any], extra_tokens: Callable[[Any], int]
                              ) -> AsyncIterator[tuple[KVSession, Any]]:
@@ -134,12 +138,8 @@ class ModelHost:
                     self.metrics.session_opened()
                 self.sessions.reserve(session, request.cache_position + len(request.new_token_ids)
                                       + extra_tokens(request))
-                session.busy = True
-                try:
-                    with self.metrics.step():
-                        yield session, request
-                finally:
-                    session.busy = False
+                with self.metrics.step():
+                    yield session, request
                 self.sessions.settle(session)
                 self.metrics.kv_total(self.sessions.cached_tokens)
         finally:

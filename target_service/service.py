@@ -10,7 +10,7 @@ import grpc
 from tandem import sampling
 from tandem.errors import InvalidRequest
 from tandem.kv import KVSession
-from tandem.model_service import ModelHost, ModelServicer, sampling_from, step_from, timed
+from tandem.model_service import ModelHost, ModelServicer, sampling_from, step_from
 from tandem.server import handle_errors
 from tandem.v1 import common_pb2, target_pb2, target_pb2_grpc
 from target_service.proposers import TargetProposer, build_proposers
@@ -87,7 +87,7 @@ class TargetService(ModelServicer, target_pb2_grpc.TargetServiceServicer):
             params = sampling_from(request.sampling)
             proposer = self._proposer(request)
             if proposer is not None:
-                verified, ms = await self.host.run(timed, propose_and_verify, model, session, step,
+                verified, ms = await self.host.run_step(session, propose_and_verify, model, session, step,
                                                    proposer, params, request.seed)
                 yield target_pb2.ScoreBlocksResponse(
                     committed_token_ids=verified.committed_token_ids,
@@ -95,7 +95,7 @@ class TargetService(ModelServicer, target_pb2_grpc.TargetServiceServicer):
                     cache_length=verified.cache_length, compute_ms=ms)
                 continue
             ids, dists = draft_from(request, session)
-            result, ms = await self.host.run(timed, score_block, model, session, step, ids, dists,
+            result, ms = await self.host.run_step(session, score_block, model, session, step, ids, dists,
                                              params, request.seed)
             yield target_pb2.ScoreBlocksResponse(
                 target_probs=result.scored.target_probs,

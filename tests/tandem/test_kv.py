@@ -83,15 +83,16 @@ def test_budget_evicts_idle_sessions_least_recently_used_first(model) -> None:  
     assert b.length == 0 and table.cached_tokens == 10
 
 
-def test_busy_sessions_are_never_evicted(model) -> None:  # type: ignore[no-untyped-def]
+def test_a_session_whose_step_is_running_is_never_evicted(model) -> None:  # type: ignore[no-untyped-def]
     from tandem.errors import ResourceExhausted
 
-    table, (a, b) = _table_with(model, 25, 10, 10)
-    a.busy = b.busy = True
+    table, (a, b) = _table_with(model, 15, 10, 5)
     _, c = table.open("c", vocab_size=40)
-    with pytest.raises(ResourceExhausted, match="held by steps in flight"):
-        table.reserve(c, 10)
-    assert not a.evicted and not b.evicted
+    with table.running(a), pytest.raises(ResourceExhausted, match="held by the step running now"):
+        table.reserve(c, 10)  # b (queued or idle) is evicted; a, running, is not
+    assert not a.evicted and b.evicted
+    table.reserve(c, 10)  # a's step is over: now a can go
+    assert a.evicted
 
 
 def test_a_step_larger_than_the_budget_is_refused(model) -> None:  # type: ignore[no-untyped-def]
@@ -102,12 +103,20 @@ def test_a_step_larger_than_the_budget_is_refused(model) -> None:  # type: ignor
         table.reserve(a, 21)
 
 
-def test_an_evicted_session_must_restart_from_position_zero(model) -> None:  # type: ignore[no-untyped-def]
+def test_an_evicted_session_is_over(model) -> None:  # type: ignore[no-untyped-def]
     from tandem.errors import SessionEvicted
 
     _, (a,) = _table_with(model, 0, 6)
     a.evict()
-    with pytest.raises(SessionEvicted, match="resend its history from cache_position 0"):
-        a.rollback(6)
-    a.rollback(0)
-    assert not a.evicted
+    for position in (6, 0):  # even a step from scratch: the caller rebuilds on a new session
+        with pytest.raises(SessionEvicted, match="open a new session and resend the history"):
+            a.rollback(position)
+
+
+def test_a_queued_first_step_gives_its_reservation_back(model) -> None:  # type: ignore[no-untyped-def]
+    table, (a,) = _table_with(model, 30, 10)
+    _, fresh = table.open("fresh", vocab_size=40)
+    table.reserve(fresh, 15)  # its prefill is queued: nothing cached yet, 15 claimed
+    _, c = table.open("c", vocab_size=40)
+    table.reserve(c, 20)  # 45 > 30: the least recently used (a), then the queued one, go
+    assert a.evicted and fresh.evicted and not c.evicted
