@@ -15,8 +15,18 @@ from bench.tiny import (
     make_tokenizer,
 )
 
-__all__ = ["DEFAULT_CHARS", "EOS", "PROMPTS", "greedy_reference", "make_draft_like", "make_medusa_heads",
-           "make_model", "make_tokenizer", "random_prompts"]
+__all__ = [
+    "DEFAULT_CHARS",
+    "EOS",
+    "PROMPTS",
+    "greedy_reference",
+    "last_logits",
+    "make_draft_like",
+    "make_medusa_heads",
+    "make_model",
+    "make_tokenizer",
+    "random_prompts",
+]
 
 
 def random_prompts(vocab_size: int, count: int, length: int, seed: int) -> list[list[int]]:
@@ -46,3 +56,9 @@ def make_medusa_heads(target: Path, path: Path, *, seed: int = 0, num_heads: int
     finally:
         torch.set_num_threads(threads)
     return save_heads(heads, path)
+
+
+def last_logits(model, ids: list[int]) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """The model's logits after `ids`, from one plain full pass (the reference for cached passes)."""
+    with torch.inference_mode():
+        return model(input_ids=torch.tensor([ids])).logits[0, -1]

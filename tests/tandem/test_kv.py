@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny import last_logits
 from transformers import AutoModelForCausalLM
 
 from tandem.kv import KVSession, tree_segment
@@ -14,11 +15,6 @@ from tandem.kv import KVSession, tree_segment
 @pytest.fixture(scope="module")
 def model(tiny_target: Path):  # type: ignore[no-untyped-def]
     return AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
-
-
-def last_logits(model, ids: list[int]) -> torch.Tensor:  # type: ignore[no-untyped-def]
-    with torch.inference_mode():
-        return model(input_ids=torch.tensor([ids])).logits[0, -1]
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])

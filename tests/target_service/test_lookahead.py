@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny import last_logits
 from transformers import AutoModelForCausalLM
 
 from tandem import sampling
@@ -31,11 +32,6 @@ GREEDY = sampling.SamplingParams()
 @pytest.fixture(scope="module")
 def model(tiny_target: Path):  # type: ignore[no-untyped-def]
     return AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
-
-
-def last_logits(model, ids: list[int]) -> torch.Tensor:  # type: ignore[no-untyped-def]
-    with torch.inference_mode():
-        return model(input_ids=torch.tensor([ids])).logits[0, -1]
 
 
 def as_sets(visible: torch.Tensor) -> list[set[int]]:
