@@ -13,11 +13,13 @@ in the paper; --freeze-projection trains the ResBlocks only, far cheaper on a CP
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -203,13 +205,23 @@ def train_heads(heads: MedusaHeads, corpus: Corpus, config: TrainConfig,
 
 
 def train_medusa(model: CausalLM, prompts: Sequence[Sequence[int]], config: TrainConfig,
-                 base_model_name_or_path: str = "") -> tuple[MedusaHeads, TrainReport]:
-    """Generate the self-distillation text, hold some out, train the heads, report accuracy."""
+                 base_model_name_or_path: str = "", texts_path: str | None = None,
+                 ) -> tuple[MedusaHeads, TrainReport]:
+    """Generate the self-distillation text, hold some out, train the heads, report accuracy.
+
+    With `texts_path`, the text is read from there if the file exists, else written there
+    once generated: the expensive half of a run is then paid once.
+    """
     started = time.perf_counter()
-    texts = self_distill(model, prompts, config.max_new_tokens, config.temperature, config.seed,
-                         config.generate_batch_size,
-                         lambda done: log.info("generated %d/%d texts (%.0fs)", done, len(prompts),
-                                               time.perf_counter() - started))
+    texts = load_texts(texts_path, prompts) if texts_path else None
+    if texts is None:
+        texts = self_distill(model, prompts, config.max_new_tokens, config.temperature,
+                             config.seed, config.generate_batch_size,
+                             lambda done: log.info("generated %d/%d texts (%.0fs)", done,
+                                                   len(prompts), time.perf_counter() - started))
+        if texts_path:
+            Path(texts_path).write_text(json.dumps(
+                {"prompts": [list(p) for p in prompts], "texts": texts}))
     held = int(len(texts) * config.held_out) if len(texts) > 1 else 0
     train = build_corpus(model, texts[:len(texts) - held], config.num_heads,
                          config.generate_batch_size)
@@ -223,6 +235,17 @@ def train_medusa(model: CausalLM, prompts: Sequence[Sequence[int]], config: Trai
                          top1_accuracy(heads, test) if test else (), len(train.hidden),
                          len(test.hidden) if test else 0)
     return heads, report
+
+
+def load_texts(path: str, prompts: Sequence[Sequence[int]]) -> list[tuple[list[int], int]] | None:
+    """Texts saved by an earlier run on the same prompts; None if there are none."""
+    if not Path(path).exists():
+        return None
+    saved = json.loads(Path(path).read_text())
+    if saved["prompts"] != [list(p) for p in prompts]:
+        raise ValueError(f"{path} holds text for other prompts; delete it or pass another --texts")
+    log.info("read %d self-distillation texts from %s", len(saved["texts"]), path)
+    return [(list(ids), int(length)) for ids, length in saved["texts"]]
 
 
 def training_prompts(num_code: int, num_prose: int) -> list[str]:
@@ -259,6 +282,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--freeze-projection", action="store_true",
                         help="train the ResBlocks only; projections stay the target's lm_head")
     parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--texts", default=None,
+                        help="JSON file for the self-distillation text: read if it exists "
+                             "(same prompts), else written once generated")
 
 
 def main(args: argparse.Namespace) -> None:
@@ -277,7 +303,7 @@ def main(args: argparse.Namespace) -> None:
     model = models.load_model(args.target, models.Placement(args.device, args.dtype))
     tokenizer = models.load_tokenizer(args.target)
     prompts = [tokenizer.encode(p) for p in training_prompts(args.num_code, args.num_prose)]
-    heads, report = train_medusa(model, prompts, config, args.target)
+    heads, report = train_medusa(model, prompts, config, args.target, args.texts)
     out = save_heads(heads, args.out, models.DTYPES[args.dtype])
     accuracy = report.held_out_accuracy or report.train_accuracy
     print(f"wrote {config.num_heads} Medusa heads to {out} ({report.num_train_rows} training rows); "

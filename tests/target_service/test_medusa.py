@@ -257,3 +257,26 @@ def test_train_medusa_command_writes_loadable_heads(tiny_target: Path, tmp_path:
     assert "wrote 2 Medusa heads" in capsys.readouterr().out
     heads = load_heads(str(tmp_path / "heads"))
     assert heads.num_heads == 2 and heads.base_model_name_or_path == str(tiny_target)
+
+
+def test_train_medusa_reuses_saved_text(tiny_target: Path, tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """--texts: the first run writes the target's text, a second run on the same prompts
+    trains from it without generating, and other prompts are refused rather than mixed."""
+    from tandem.cli import main
+
+    texts = tmp_path / "texts.json"
+    args = ["train-medusa", "--target", str(tiny_target), "--dtype", "float32", "--num-heads", "2",
+            "--num-code", "2", "--num-prose", "1", "--max-new-tokens", "8", "--epochs", "1",
+            "--threads", "1", "--texts", str(texts)]
+    main(args + ["--out", str(tmp_path / "a")])
+    first = capsys.readouterr().out
+    saved = json.loads(texts.read_text())
+    assert len(saved["texts"]) == 3 and len(saved["prompts"]) == 3
+    main(args + ["--out", str(tmp_path / "b")])
+    assert capsys.readouterr().out.split("(")[1] == first.split("(")[1]  # same rows, same accuracy
+    for a, b in zip(load_heads(str(tmp_path / "a")).state_dict().values(),
+                    load_heads(str(tmp_path / "b")).state_dict().values()):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="other prompts"):
+        main(["train-medusa", "--target", str(tiny_target), "--out", str(tmp_path / "c"),
+              "--num-code", "1", "--num-prose", "1", "--texts", str(texts)])
