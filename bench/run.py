@@ -210,6 +210,15 @@ def summarize(runs: list[Run], k: int) -> dict[str, Any]:
     return out
 
 
+def by_kind(runs: list[Run], k: int) -> dict[str, dict[str, Any]]:
+    """The summary again over each kind of prompt alone: {kind: {setting: {mode: row}}}.
+
+    Proposers differ most here: prompt lookup and Lookahead pay on code that repeats
+    itself and barely on prose."""
+    return {kind: summarize([r for r in runs if r.kind == kind], k)
+            for kind in sorted({r.kind for r in runs})}
+
+
 def matches(runs: list[Run]) -> dict[str, str]:
     """Greedy outputs of each mode that equal hf-target's, per mode (bf16 near-ties may flip)."""
     ref = {r.prompt: r.token_ids for r in runs if r.mode == "hf-target" and r.setting == "greedy"}
@@ -221,7 +230,8 @@ def matches(runs: list[Run]) -> dict[str, str]:
     return out
 
 
-def markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
+def markdown(summary: dict[str, Any], meta: dict[str, Any],
+             kinds: dict[str, dict[str, Any]] | None = None) -> str:
     def f(x: Any, fmt: str = "{:.2f}") -> str:
         return "–" if x is None else fmt.format(x)
 
@@ -251,6 +261,19 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
                 f"{f(step.get('draft_ms'), '{:.1f}')} | {f(step.get('verify_ms'), '{:.1f}')} | "
                 f"{f(step.get('other_ms'), '{:.2f}')} | {f(r.get('bytes_per_token'), '{:.0f}')} |")
         lines.append("")
+    for kind, by_setting in (kinds or {}).items():
+        for setting, table in by_setting.items():
+            lines += [f"## {setting}, {kind} prompts only", "",
+                      ("| mode | tok/s | ×hf-target | ×hf-assisted | ×tandem-k0 | decode ×tandem-k0 "
+                       "| tokens/pass | accepted/pass |"), "|" + "---|" * 8]
+            for mode, r in table.items():
+                lines.append(
+                    f"| {mode} | {f(r['tok_s'])} | {f(r['speedup_vs_hf_target'])} | "
+                    f"{f(r['speedup_vs_hf_assisted'])} | {f(r['speedup_vs_tandem_k0'])} | "
+                    f"{f(r['decode_speedup_vs_tandem_k0'])} | "
+                    f"{f(r.get('mean_tokens_per_target_pass'))} | "
+                    f"{f(r.get('mean_accepted_per_target_pass'))} |")
+            lines.append("")
     lines += ["Greedy outputs equal to hf-target: " + ", ".join(f"{m} {v}" for m, v in meta["matches"].items()),
               "", "Peak RSS (MB): " + ", ".join(f"{k} {v:.0f}" for k, v in meta["peak_rss_mb"].items()), ""]
     return "\n".join(lines)
@@ -394,7 +417,7 @@ def main(argv: list[str] | None = None) -> None:
                 bar.update(1)
         bar.close()
 
-        summary = summarize(runs, k)
+        summary, kinds = summarize(runs, k), by_kind(runs, k)
         rss = {"bench (HF in-process)": peak_rss_mb()} | {name: peak_rss_mb(p.proc.pid) for name, p in procs.items()}
         meta = {
             "started": started, "command": "tandem bench " + " ".join(argv or []),
@@ -406,10 +429,11 @@ def main(argv: list[str] | None = None) -> None:
         out = Path(args.out) / time.strftime("%Y%m%d-%H%M%S")
         out.mkdir(parents=True, exist_ok=True)
         (out / "results.json").write_text(json.dumps(
-            {"meta": meta, "summary": summary, "runs": [asdict(r) for r in runs]}, indent=1))
-        (out / "results.md").write_text(markdown(summary, meta))
+            {"meta": meta, "summary": summary, "by_kind": kinds, "runs": [asdict(r) for r in runs]},
+            indent=1))
+        (out / "results.md").write_text(markdown(summary, meta, kinds))
         plot(summary, out / "plot.png")
-        print(markdown(summary, meta))
+        print(markdown(summary, meta, kinds))
         print(f"results: {out}/results.json, results.md, plot.png")
     finally:
         for p in procs.values():
