@@ -45,3 +45,22 @@ def test_partial_stop_string_is_released_at_the_end() -> None:
     stream, pieces = feed("hello st", ("stop",))
     assert not stream.stopped
     assert "".join(pieces) == "hello st"
+
+
+def test_fast_decoder_gives_the_tokenizers_own_text() -> None:
+    """The Rust-only decode must equal tokenizer.decode, specials skipped, on any ids; a
+    tokenizer that cleans up spaces keeps its own decode."""
+    import random
+
+    from orchestrator.text import decoder
+
+    decode, rng = decoder(TOKENIZER), random.Random(0)
+    for _ in range(200):
+        ids = [rng.randrange(len(TOKENIZER)) for _ in range(rng.randrange(0, 12))]
+        assert decode(ids) == TOKENIZER.decode(ids, skip_special_tokens=True)
+    cleaning = make_tokenizer()
+    cleaning.clean_up_tokenization_spaces = True
+    calls: list[list[int]] = []
+    original = cleaning.decode
+    cleaning.decode = lambda ids, **kw: calls.append(ids) or original(ids, **kw)  # type: ignore[method-assign]
+    assert decoder(cleaning)([5, 6]) == original([5, 6], skip_special_tokens=True) and calls == [[5, 6]]
