@@ -120,7 +120,7 @@ def self_distill(model: CausalLM, prompts: Sequence[Sequence[int]], max_new_toke
 
 
 def build_corpus(model: CausalLM, texts: Sequence[tuple[list[int], int]], num_heads: int,
-                 batch_size: int = 8) -> Corpus:
+                 batch_size: int = 8, progress: Callable[[int], None] | None = None) -> Corpus:
     """Rows from the last prompt position on (the first tree grows from there) to the last
     position with a label for head 0. Texts of equal length run as one batch."""
     device = model.get_input_embeddings().weight.device
@@ -142,6 +142,8 @@ def build_corpus(model: CausalLM, texts: Sequence[tuple[list[int], int]], num_he
                     hidden.append(last[row, positions])
                     padded = torch.tensor(ids + [IGNORE] * num_heads)
                     labels.append(torch.stack([padded[positions + i + 2] for i in range(num_heads)], 1))
+                if progress:
+                    progress(len(hidden))
     if not hidden:
         raise ValueError("no training text: every continuation was shorter than 2 tokens")
     return Corpus(torch.cat(hidden), torch.cat(labels))
@@ -223,8 +225,12 @@ def train_medusa(model: CausalLM, prompts: Sequence[Sequence[int]], config: Trai
             Path(texts_path).write_text(json.dumps(
                 {"prompts": [list(p) for p in prompts], "texts": texts}))
     held = int(len(texts) * config.held_out) if len(texts) > 1 else 0
+    def read(done: int) -> None:
+        log.info("read the target's hidden states for %d/%d texts (%.0fs)", done, len(texts),
+                 time.perf_counter() - started)
+
     train = build_corpus(model, texts[:len(texts) - held], config.num_heads,
-                         config.generate_batch_size)
+                         config.generate_batch_size, read)
     test = build_corpus(model, texts[len(texts) - held:], config.num_heads,
                         config.generate_batch_size) if held else None
     torch.manual_seed(config.seed)
