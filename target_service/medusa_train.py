@@ -215,15 +215,7 @@ def train_medusa(model: CausalLM, prompts: Sequence[Sequence[int]], config: Trai
     once generated: the expensive half of a run is then paid once.
     """
     started = time.perf_counter()
-    texts = load_texts(texts_path, prompts) if texts_path else None
-    if texts is None:
-        texts = self_distill(model, prompts, config.max_new_tokens, config.temperature,
-                             config.seed, config.generate_batch_size,
-                             lambda done: log.info("generated %d/%d texts (%.0fs)", done,
-                                                   len(prompts), time.perf_counter() - started))
-        if texts_path:
-            Path(texts_path).write_text(json.dumps(
-                {"prompts": [list(p) for p in prompts], "texts": texts}))
+    texts = distilled_texts(model, prompts, config, texts_path)
     held = int(len(texts) * config.held_out) if len(texts) > 1 else 0
     def read(done: int) -> None:
         log.info("read the target's hidden states for %d/%d texts (%.0fs)", done, len(texts),
@@ -241,6 +233,23 @@ def train_medusa(model: CausalLM, prompts: Sequence[Sequence[int]], config: Trai
                          top1_accuracy(heads, test) if test else (), len(train.hidden),
                          len(test.hidden) if test else 0)
     return heads, report
+
+
+def distilled_texts(model: CausalLM, prompts: Sequence[Sequence[int]], config: TrainConfig,
+                    texts_path: str | None = None) -> list[tuple[list[int], int]]:
+    """The target's text for each prompt: read from `texts_path` if it holds some, else
+    written by the target (and saved there)."""
+    texts = load_texts(texts_path, prompts) if texts_path else None
+    if texts is None:
+        started = time.perf_counter()
+        texts = self_distill(model, prompts, config.max_new_tokens, config.temperature,
+                             config.seed, config.generate_batch_size,
+                             lambda done: log.info("generated %d/%d texts (%.0fs)", done,
+                                                   len(prompts), time.perf_counter() - started))
+        if texts_path:
+            Path(texts_path).write_text(json.dumps(
+                {"prompts": [list(p) for p in prompts], "texts": texts}))
+    return texts
 
 
 def load_texts(path: str, prompts: Sequence[Sequence[int]]) -> list[tuple[list[int], int]] | None:
@@ -265,7 +274,7 @@ def training_prompts(num_code: int, num_prose: int) -> list[str]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = TrainConfig()
     parser.add_argument("--target", required=True, help="the target model (path, hub id or built-in)")
-    parser.add_argument("--out", required=True, help="directory to write the heads to")
+    parser.add_argument("--out", default="", help="directory to write the heads to")
     parser.add_argument("--dtype", default="bfloat16",
                         help="the target's dtype while it writes text; also the saved heads' dtype")
     parser.add_argument("--device", default="cpu")
@@ -291,6 +300,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--texts", default=None,
                         help="JSON file for the self-distillation text: read if it exists "
                              "(same prompts), else written once generated")
+    parser.add_argument("--text-only", action="store_true",
+                        help="only write the self-distillation text to --texts, then stop (e.g. "
+                             "write it in bfloat16, then train with --dtype float32)")
 
 
 def main(args: argparse.Namespace) -> None:
@@ -298,6 +310,10 @@ def main(args: argparse.Namespace) -> None:
     from tandem.server import configure_logging
     from target_service.medusa import save_heads
 
+    if args.text_only and not args.texts:
+        raise SystemExit("--text-only needs --texts FILE to write the text to")
+    if not args.text_only and not args.out:
+        raise SystemExit("--out is required: the directory to write the heads to")
     configure_logging("INFO")
     if args.threads > 0:
         torch.set_num_threads(args.threads)
@@ -309,6 +325,10 @@ def main(args: argparse.Namespace) -> None:
     model = models.load_model(args.target, models.Placement(args.device, args.dtype))
     tokenizer = models.load_tokenizer(args.target)
     prompts = [tokenizer.encode(p) for p in training_prompts(args.num_code, args.num_prose)]
+    if args.text_only:
+        texts = distilled_texts(model, prompts, config, args.texts)
+        print(f"wrote the target's text for {len(texts)} prompts to {args.texts}")
+        return
     heads, report = train_medusa(model, prompts, config, args.target, args.texts)
     out = save_heads(heads, args.out, models.DTYPES[args.dtype])
     accuracy = report.held_out_accuracy or report.train_accuracy

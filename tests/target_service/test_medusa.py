@@ -268,10 +268,14 @@ def test_train_medusa_reuses_saved_text(tiny_target: Path, tmp_path: Path, capsy
     args = ["train-medusa", "--target", str(tiny_target), "--dtype", "float32", "--num-heads", "2",
             "--num-code", "2", "--num-prose", "1", "--max-new-tokens", "8", "--epochs", "1",
             "--threads", "1", "--texts", str(texts)]
-    main(args + ["--out", str(tmp_path / "a")])
-    first = capsys.readouterr().out
+    main(args + ["--text-only"])
+    assert "text for 3 prompts" in capsys.readouterr().out and not (tmp_path / "a").exists()
     saved = json.loads(texts.read_text())
     assert len(saved["texts"]) == 3 and len(saved["prompts"]) == 3
+    written = texts.stat().st_mtime_ns
+    main(args + ["--out", str(tmp_path / "a")])
+    first = capsys.readouterr().out
+    assert texts.stat().st_mtime_ns == written  # read, not written again
     main(args + ["--out", str(tmp_path / "b")])
     assert capsys.readouterr().out.split("(")[1] == first.split("(")[1]  # same rows, same accuracy
     for a, b in zip(load_heads(str(tmp_path / "a")).state_dict().values(),
