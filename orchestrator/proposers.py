@@ -7,7 +7,9 @@ own forward pass, so the target service runs them (target_service/proposers.py) 
 orchestrator only asks for them (TargetSession.proposer).
 
 Prompt lookup runs here, not on a draft replica: it needs only the token history, which
-the orchestrator owns, so it costs no round trip and no replica, and can back a draft model.
+the orchestrator owns, so it costs no round trip and no replica. It is not combined with the
+draft model: replayed on the target's own output it proposes on under 10% of passes and keeps
+fewer tokens per proposal than the draft does (bench/replay.py, docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
