@@ -217,9 +217,10 @@ def train_medusa(model: CausalLM, prompts: Sequence[Sequence[int]], config: Trai
     started = time.perf_counter()
     texts = distilled_texts(model, prompts, config, texts_path)
     held = int(len(texts) * config.held_out) if len(texts) > 1 else 0
+
     def read(done: int) -> None:
-        log.info("read the target's hidden states for %d/%d texts (%.0fs)", done, len(texts),
-                 time.perf_counter() - started)
+        log.info("read the target's hidden states for %d/%d training texts (%.0fs)", done,
+                 len(texts) - held, time.perf_counter() - started)
 
     train = build_corpus(model, texts[:len(texts) - held], config.num_heads,
                          config.generate_batch_size, read)
