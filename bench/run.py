@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from bench.prompts import Prompt, prompts
+from orchestrator.policy import expected_tokens
 from tandem import models
 from tandem.launch import Process, spawn, wait_serving
 
@@ -145,13 +146,46 @@ def peak_rss_mb(pid: int | str = "self") -> float:
     return float("nan")
 
 
-def leviathan_bound(alpha: float, k: int, c: float) -> float:
-    """Expected speedup of speculative decoding: E / (k c + 1), E = (1 - alpha^(k+1)) / (1 - alpha)."""
-    expected = k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
-    return expected / (k * c + 1)
+def leviathan_bound(alpha: float, k: float, c: float) -> float:
+    """Expected speedup of speculative decoding: E / (k c + 1), E = (1 - alpha^(k+1)) / (1 - alpha).
+
+    k may be fractional: the mean number of tokens drafted per target pass under an
+    adaptive policy. E is concave in k and the cost k c + 1 is linear, so by Jensen the
+    bound at the mean k is at least the bound of any mix of block sizes with that mean:
+    achieved / bound(mean k) never flatters the policy.
+    """
+    return expected_tokens(alpha, k) / (k * c + 1)
 
 
-def summarize(runs: list[Run], k: int) -> dict[str, Any]:
+def best_bound(alpha: float, c: float, verify_ratio: dict[int, float]) -> float:
+    """The best speedup any fixed k can reach with these measured costs: max over k of
+    E(k) / (k c + v(k+1) / v(1)), where verify_ratio[n] = v(n) / v(1) is what a target pass
+    over n tokens costs against one token. With verification free in block size
+    (verify_ratio all 1) it is Leviathan's bound at the best k; where wider passes cost
+    more (a CPU without matrix units) it is lower, and it is never below 1 (k = 0).
+    """
+    return max(expected_tokens(alpha, n - 1) / ((n - 1) * c + ratio) for n, ratio in verify_ratio.items())
+
+
+def measure_verify_ratio(model: Any, prompt_ids: list[int], sizes: range, reps: int = 5) -> dict[int, float]:
+    """v(n) / v(1) for n in sizes: the target's cost to append n tokens to a warm cache,
+    against one token; medians of `reps` interleaved passes, in this process."""
+    from tandem.kv import KVSession
+
+    session = KVSession("verify-cost", models.logits_width(model))
+    session.forward(model, prompt_ids, logits_to_keep=1)
+    start, times = session.length, defaultdict(list)
+    for _ in range(reps):
+        for n in sizes:
+            session.rollback(start)
+            began = time.perf_counter()
+            session.forward(model, prompt_ids[:n], logits_to_keep=n)
+            times[n].append(time.perf_counter() - began)
+    one = statistics.median(times[1])
+    return {n: statistics.median(times[n]) / one for n in sizes}
+
+
+def summarize(runs: list[Run], verify_ratio: dict[int, float] | None = None) -> dict[str, Any]:
     by: dict[tuple[str, str], dict[str, Run]] = defaultdict(dict)
     for r in runs:
         by[(r.setting, r.prompt)][r.mode] = r
@@ -201,21 +235,27 @@ def summarize(runs: list[Run], k: int) -> dict[str, Any]:
                 if drafted and mode not in DRAFTLESS_MODES:
                     alpha = accepted / drafted
                     c = (sum(r.draft_ms for r in mine) / drafted) / (sum(r.target_ms for r in mine) / passes)
-                    bound = leviathan_bound(alpha, k, c)
-                    row.update(alpha=alpha, c=c, leviathan_bound=bound)
+                    # The k the policy actually drafted, per pass: the configured k is only its most.
+                    k_mean = drafted / passes
+                    bound = leviathan_bound(alpha, k_mean, c)
+                    row.update(alpha=alpha, c=c, k_mean=k_mean, leviathan_bound=bound)
                     achieved = row["decode_speedup_vs_tandem_k0"]
                     row["fraction_of_bound"] = achieved / bound if achieved else None
+                    if verify_ratio:
+                        best = best_bound(alpha, c, verify_ratio)
+                        row["best_bound_measured_verify"] = best
+                        row["fraction_of_best_bound"] = achieved / best if achieved else None
             table[mode] = row
         out[setting] = table
     return out
 
 
-def by_kind(runs: list[Run], k: int) -> dict[str, dict[str, Any]]:
+def by_kind(runs: list[Run], verify_ratio: dict[int, float] | None = None) -> dict[str, dict[str, Any]]:
     """The summary again over each kind of prompt alone: {kind: {setting: {mode: row}}}.
 
     Proposers differ most here: prompt lookup and Lookahead pay on code that repeats
     itself and barely on prose."""
-    return {kind: summarize([r for r in runs if r.kind == kind], k)
+    return {kind: summarize([r for r in runs if r.kind == kind], verify_ratio)
             for kind in sorted({r.kind for r in runs})}
 
 
@@ -240,13 +280,18 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any],
               f"threads {meta['threads']}"
               + (f", Medusa heads {meta['medusa_heads']}" if meta.get("medusa_heads") else ""))
     lines = [f"# tandem bench ({meta['started']})", "", header, ""]
+    if meta.get("verify_ratio"):
+        lines += ["Target pass over n tokens against one token, measured in process (v(n)/v(1)): "
+                  + ", ".join(f"{n}: {r:.2f}" for n, r in meta["verify_ratio"].items())
+                  + ". Bound: Leviathan's E/(k̄c+1), which takes verification as free in block size; "
+                  "best bound: max over k of E(k)/(kc + v(k+1)/v(1)), with the costs measured here.", ""]
     for setting, table in summary.items():
         lines += [f"## {setting}", "",
                   ("| mode | tok/s | ×hf-target | ×hf-assisted | ×hf-assisted-cheap | ×tandem-k0 | TTFT s "
                    "| decode tok/s | decode ×hf-target | decode ×hf-assisted | decode ×tandem-k0 "
-                   "| α | tokens/pass | accepted/pass | c | bound | achieved/bound | draft ms/step | verify ms/step "
-                   "| other ms/step | bytes/token |"),
-                  "|" + "---|" * 21]
+                   "| α | tokens/pass | accepted/pass | c | k̄ | bound | achieved/bound | best bound "
+                   "| achieved/best | draft ms/step | verify ms/step | other ms/step | bytes/token |"),
+                  "|" + "---|" * 24]
         for mode, r in table.items():
             step = r.get("per_step", {})
             lines.append(
@@ -257,7 +302,8 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any],
                 f"{f(r['decode_speedup_vs_tandem_k0'])} | {f(r.get('alpha'))} | "
                 f"{f(r.get('mean_tokens_per_target_pass'))} | "
                 f"{f(r.get('mean_accepted_per_target_pass'))} | {f(r.get('c'))} | "
-                f"{f(r.get('leviathan_bound'))} | {f(r.get('fraction_of_bound'))} | "
+                f"{f(r.get('k_mean'))} | {f(r.get('leviathan_bound'))} | {f(r.get('fraction_of_bound'))} | "
+                f"{f(r.get('best_bound_measured_verify'))} | {f(r.get('fraction_of_best_bound'))} | "
                 f"{f(step.get('draft_ms'), '{:.1f}')} | {f(step.get('verify_ms'), '{:.1f}')} | "
                 f"{f(step.get('other_ms'), '{:.2f}')} | {f(r.get('bytes_per_token'), '{:.0f}')} |")
         lines.append("")
@@ -399,6 +445,10 @@ def main(argv: list[str] | None = None) -> None:
         for p in procs.values():
             wait_serving(p)
         clients = {name: TandemClient(p.address) for name, p in procs.items() if name.startswith("orchestrator")}
+        verify_ratio = None
+        if "target" in hf:  # what wider passes cost on this machine: the bounds' premise, measured
+            probe = (tokenizer.encode(items[0].text) * (k + 2))[: max(k + 1, 16)]
+            verify_ratio = measure_verify_ratio(hf["target"], probe, range(1, k + 2))
 
         runs: list[Run] = []
         jobs = [(s, p) for s in settings for p in items]
@@ -417,7 +467,7 @@ def main(argv: list[str] | None = None) -> None:
                 bar.update(1)
         bar.close()
 
-        summary, kinds = summarize(runs, k), by_kind(runs, k)
+        summary, kinds = summarize(runs, verify_ratio), by_kind(runs, verify_ratio)
         rss = {"bench (HF in-process)": peak_rss_mb()} | {name: peak_rss_mb(p.proc.pid) for name, p in procs.items()}
         meta = {
             "started": started, "command": "tandem bench " + " ".join(argv or []),
@@ -426,6 +476,7 @@ def main(argv: list[str] | None = None) -> None:
             "cheap_draft": args.cheap_draft, "threads": f"{args.threads} per process",
             "medusa_heads": args.medusa_heads or None,
             "device": args.device, "matches": matches(runs), "peak_rss_mb": rss,
+            "verify_ratio": verify_ratio,
         }
         out = Path(args.out) / time.strftime("%Y%m%d-%H%M%S")
         out.mkdir(parents=True, exist_ok=True)

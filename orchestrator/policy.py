@@ -35,11 +35,11 @@ class Ema:
         self.value = sample if self.value is None else self.value + self.weight * (sample - self.value)
 
 
-def expected_tokens(alpha: float, k: int) -> float:
+def expected_tokens(alpha: float, k: float) -> float:
     """Tokens one step yields in expectation: accepted drafts plus the recovered/bonus token."""
     if alpha >= 1.0:
         return float(k + 1)
-    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+    return float((1.0 - alpha ** (k + 1)) / (1.0 - alpha))
 
 
 @dataclass

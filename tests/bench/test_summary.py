@@ -2,9 +2,21 @@
 
 from __future__ import annotations
 
-import pytest
+from pathlib import Path
 
-from bench.run import Run, by_kind, markdown, summarize
+import pytest
+from transformers import AutoModelForCausalLM
+
+from bench.run import (
+    Run,
+    best_bound,
+    by_kind,
+    leviathan_bound,
+    markdown,
+    measure_verify_ratio,
+    summarize,
+)
+from bench.tiny import make_model
 
 
 def run(mode: str, prompt: str, wall_s: float, accepted: int = 0, passes: int = 0) -> Run:
@@ -25,14 +37,14 @@ RUNS = [
 
 
 def test_each_kind_is_summarized_on_its_own_prompts() -> None:
-    kinds = by_kind(RUNS, k=4)
+    kinds = by_kind(RUNS)
     assert set(kinds) == {"code", "prose"}
     code, prose = kinds["code"]["greedy"]["tandem-lookup"], kinds["prose"]["greedy"]["tandem-lookup"]
     assert code["speedup_vs_tandem_k0"] == pytest.approx(3.0)  # median of 2x and 4x
     assert prose["speedup_vs_tandem_k0"] == pytest.approx(0.8)
     assert code["mean_accepted_per_target_pass"] == pytest.approx(13 / 7)  # decode passes: 5 + 2
     assert prose["mean_accepted_per_target_pass"] == 0
-    overall = summarize(RUNS, k=4)["greedy"]["tandem-lookup"]
+    overall = summarize(RUNS)["greedy"]["tandem-lookup"]
     assert overall["speedup_vs_tandem_k0"] == pytest.approx(2.0)  # median of 2, 4, 0.8
 
 
@@ -40,6 +52,57 @@ def test_markdown_has_a_table_per_kind() -> None:
     meta = {"started": "now", "command": "tandem bench", "num_prompts": 3, "max_new_tokens": 10,
             "k": 4, "target_dtype": "float32", "cheap_draft": "float32", "threads": 1,
             "matches": {}, "peak_rss_mb": {}}
-    text = markdown(summarize(RUNS, 4), meta, by_kind(RUNS, 4))
+    text = markdown(summarize(RUNS), meta, by_kind(RUNS))
     assert "## greedy, code prompts only" in text and "## greedy, prose prompts only" in text
     assert "| tandem-lookup | 15.00 | 3.00 | – | 3.00 |" in text  # code: median tok/s 15, 3x
+
+
+def test_the_bound_uses_the_k_the_policy_drafted_not_the_configured_most() -> None:
+    # 8 tokens drafted over 4 decode passes (the first pass is the prefill): k = 2 per pass.
+    spec = Run(mode="tandem", setting="greedy", prompt="code/0", kind="code", tokens=10, wall_s=1.0,
+               ttft_s=0.0, token_ids=list(range(10)), drafted=8, accepted=4, passes=5,
+               draft_ms=40.0, target_ms=400.0, total_ms=1000.0)
+    row = summarize([*RUNS[:2], spec])["greedy"]["tandem"]
+    assert row["k_mean"] == pytest.approx(2.0)
+    assert row["alpha"] == pytest.approx(0.5)
+    c = (40.0 / 8) / (400.0 / 4)
+    assert row["c"] == pytest.approx(c)
+    assert row["leviathan_bound"] == pytest.approx((1 - 0.5 ** 3) / 0.5 / (2 * c + 1))
+    assert row["fraction_of_bound"] == pytest.approx(row["decode_speedup_vs_tandem_k0"] / row["leviathan_bound"])
+
+
+@pytest.mark.parametrize("alpha", [0.2, 0.6, 0.9])
+def test_the_bound_at_the_mean_k_is_at_least_any_mix_with_that_mean(alpha: float) -> None:
+    c = 0.1
+    half_plain_half_k4 = ((1.0 + (1 - alpha ** 5) / (1 - alpha)) / 2) / (2 * c + 1)
+    assert leviathan_bound(alpha, 2, c) >= half_plain_half_k4
+    assert leviathan_bound(alpha, 0, c) == pytest.approx(1.0)
+
+
+def test_best_bound_is_leviathans_at_the_best_k_when_verification_is_free() -> None:
+    free = {n: 1.0 for n in range(1, 6)}
+    assert best_bound(0.8, 0.1, free) == pytest.approx(max(leviathan_bound(0.8, k, 0.1) for k in range(5)))
+
+
+def test_best_bound_falls_to_plain_decoding_when_wide_passes_cost_linearly() -> None:
+    linear = {n: float(n) for n in range(1, 6)}  # a pass over n tokens costs n one-token passes
+    assert best_bound(0.6, 0.1, linear) == pytest.approx(1.0)  # k = 0 is best: no speculation pays
+    assert best_bound(0.6, 0.1, {1: 1.0, 2: 1.2, 3: 1.4}) == pytest.approx(
+        max(1.0, 1.6 / 1.3, (1 + 0.6 + 0.36) / 1.6))
+
+
+def test_summary_reports_the_best_bound_from_measured_verify_costs() -> None:
+    spec = Run(mode="tandem", setting="greedy", prompt="code/0", kind="code", tokens=10, wall_s=1.0,
+               ttft_s=0.0, token_ids=list(range(10)), drafted=8, accepted=4, passes=5,
+               draft_ms=40.0, target_ms=400.0, total_ms=1000.0)
+    ratio = {1: 1.0, 2: 1.5, 3: 2.0}
+    row = summarize([*RUNS[:2], spec], ratio)["greedy"]["tandem"]
+    assert row["best_bound_measured_verify"] == pytest.approx(best_bound(0.5, row["c"], ratio))
+    assert "best_bound_measured_verify" not in summarize([*RUNS[:2], spec])["greedy"]["tandem"]
+
+
+def test_verify_ratio_is_measured_per_block_size_against_one_token(tmp_path: Path) -> None:
+    model = AutoModelForCausalLM.from_pretrained(make_model(tmp_path / "m", seed=0)).eval()
+    ratio = measure_verify_ratio(model, list(range(2, 20)), range(1, 4), reps=2)
+    assert list(ratio) == [1, 2, 3]
+    assert ratio[1] == 1.0 and all(r > 0 for r in ratio.values())
