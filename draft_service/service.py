@@ -29,8 +29,7 @@ class DraftService(ModelServicer, draft_pb2_grpc.DraftServiceServicer):
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[draft_pb2.ProposeBlocksResponse]:
         model = self.host.ready_model()
-        async for session, request in self.host.session_stream(
-                request_iterator, lambda r: r.num_speculative_tokens):
+        async for session, request in self.host.session_stream(request_iterator):
             step = step_from(request, session)
             k = request.num_speculative_tokens
             if k > MAX_SPECULATIVE_TOKENS:
@@ -39,8 +38,9 @@ class DraftService(ModelServicer, draft_pb2_grpc.DraftServiceServicer):
                 raise InvalidRequest(
                     f"max_support_size must be in [1, {MAX_SUPPORT_SIZE}], got {request.max_support_size}")
             params = sampling_from(request.sampling)
-            block, ms = await self.host.run_step(session, propose_block, model, session, step, k, params,
-                                            request.max_support_size, request.seed)
+            block, ms = await self.host.run_step(
+                session, step.cache_position + len(step.new_token_ids) + k, propose_block, model, session,
+                step, k, params, request.max_support_size, request.seed)
             yield draft_pb2.ProposeBlocksResponse(
                 token_ids=block.token_ids,
                 distributions=[common_pb2.SparseDistribution(token_ids=d.token_ids, probs=d.probs)

@@ -71,8 +71,8 @@ class KVSession:
     def length(self) -> int:
         return int(self.cache.get_seq_length())
 
-    def rollback(self, cache_position: int) -> None:
-        """Drop cached tokens past `cache_position`."""
+    def check_position(self, cache_position: int) -> None:
+        """That a step may roll back to `cache_position`: the cache is there and holds it."""
         if self.evicted:
             raise SessionEvicted(
                 f"session {self.session_id}'s KV cache was evicted to make room for other "
@@ -82,6 +82,10 @@ class KVSession:
                 f"cache_position {cache_position} is beyond the session's cache length "
                 f"{self.length}; resend the history from a position <= {self.length}"
             )
+
+    def rollback(self, cache_position: int) -> None:
+        """Drop cached tokens past `cache_position`."""
+        self.check_position(cache_position)
         if cache_position == 0:
             self.cache = DynamicCache()
             self.proposer_state.clear()
@@ -183,32 +187,38 @@ class SessionTable:
         return self._next, session
 
     def reserve(self, session: KVSession, tokens: int) -> None:
-        """Claim room for `session` to hold `tokens` after its next step, evicting if need be."""
+        """Claim room for `session` to hold `tokens` after its next step, evicting if need be.
+
+        Nothing is evicted for a step that is refused: for an evicted session, or when
+        evicting every idle session would still not make room.
+        """
+        session.check_position(0)  # an evicted session is over: it must not claim room
         self._clock += 1
         session.last_used = self._clock
-        session.reserved = tokens
         budget = self.kv_budget_tokens
         if not budget:
+            session.reserved = tokens
             return
         if tokens > budget:
             raise ResourceExhausted(
                 f"this step needs {tokens} cached tokens but the replica's KV budget is {budget} "
                 "(--kv-budget-tokens); shorten the prompt or max_new_tokens")
         with self._lock:
-            claimed = sum(max(s.reserved, s.length) for s in self._sessions.values())
-            idle = sorted((s for s in self._sessions.values() if s is not session and not s.busy
-                           and max(s.reserved, s.length)), key=lambda s: s.last_used)
+            others = [s for s in self._sessions.values() if s is not session]
+            claimed = max(tokens, session.length) + sum(max(s.reserved, s.length) for s in others)
+            idle = sorted((s for s in others if not s.busy and max(s.reserved, s.length)),
+                          key=lambda s: s.last_used)
+            if claimed - sum(max(s.reserved, s.length) for s in idle) > budget:
+                raise ResourceExhausted(
+                    f"the replica's KV budget ({budget} tokens, --kv-budget-tokens) is held by the "
+                    "step running now; retry, or add replicas")
+            session.reserved = tokens
             for victim in idle:
                 if claimed <= budget:
                     break
                 claimed -= max(victim.reserved, victim.length)
                 victim.evict()
                 victim.reserved = 0
-        if claimed > budget:
-            session.reserved = session.length
-            raise ResourceExhausted(
-                f"the replica's KV budget ({budget} tokens, --kv-budget-tokens) is held by the "
-                "step running now; retry, or add replicas")
 
     @contextlib.contextmanager
     def running(self, session: KVSession) -> Iterator[None]:

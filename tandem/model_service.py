@@ -113,21 +113,28 @@ class ModelHost:
             raise Unavailable("the model is still loading; wait for health SERVING")
         return self.model
 
-    async def run_step(self, session: KVSession, fn: Callable[..., R], *args: Any) -> tuple[R, float]:
-        """Run fn(*args) for `session` on the forward worker; its result and wall time in ms."""
+    async def run_step(self, session: KVSession, tokens: int, fn: Callable[..., R], *args: Any
+                       ) -> tuple[R, float]:
+        """Run fn(*args) for `session` on the forward worker; its result and wall time in ms.
+
+        `tokens` is what the session may hold during the step (its cache position, new
+        tokens, and drafted or scored tokens): the KV budget is reserved for it first, so
+        call this only once the request is validated (a bad request never costs another
+        session its cache).
+        """
+        self.sessions.reserve(session, tokens)
+
         def step() -> tuple[R, float]:
             with self.sessions.running(session):
                 return timed(fn, *args)
 
-        return await asyncio.get_running_loop().run_in_executor(self._worker, step)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._worker, step)
+        finally:
+            self.sessions.settle(session)
 
-    async def session_stream(self, requests: AsyncIterator[Any], extra_tokens: Callable[[Any], int]
-                             ) -> AsyncIterator[tuple[KVSession, Any]]:
-        """Yield (session, request) for each message of a stream; the session dies with the stream.
-
-        Each step first reserves its KV room: cache_position + new tokens + extra_tokens(request)
-        (what the step adds beyond the history: drafted or scored tokens).
-        """
+    async def session_stream(self, requests: AsyncIterator[Any]) -> AsyncIterator[tuple[KVSession, Any]]:
+        """Yield (session, request) for each message of a stream; the session dies with the stream."""
         self.ready_model()
         handle: int | None = None
         try:
@@ -136,11 +143,8 @@ class ModelHost:
                     assert self.info is not None
                     handle, session = self.sessions.open(request.session_id, self.info.vocab_size)
                     self.metrics.session_opened()
-                self.sessions.reserve(session, request.cache_position + len(request.new_token_ids)
-                                      + extra_tokens(request))
                 with self.metrics.step():
                     yield session, request
-                self.sessions.settle(session)
                 self.metrics.kv_total(self.sessions.cached_tokens)
         finally:
             if handle is not None:
@@ -155,6 +159,7 @@ def step_from(request: Any, session: KVSession) -> Step:
     if not new:
         raise InvalidRequest("new_token_ids must hold at least one token (the last committed one)")
     session.check_tokens("new_token_ids", new)
+    session.check_position(request.cache_position)
     return Step(cache_position=request.cache_position, new_token_ids=new)
 
 

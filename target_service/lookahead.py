@@ -159,6 +159,8 @@ class LookaheadProposer:
         first_top = (w - 1) + (config.ngram - 3) * w
         self._top_rows = [1 + first_top + i for i in range(w)]  # logits rows after them
         self._window_tokens = first_top + w
+        # The window, then a trie of at most G continuations of N-1 tokens.
+        self.max_segment_tokens = self._window_tokens + config.candidates * (config.ngram - 1)
 
     def state(self, session: KVSession, new_token_ids: list[int]) -> LookaheadState:
         state = session.proposer_state.get(STATE_KEY)

@@ -260,6 +260,7 @@ class MedusaProposer:
             raise ValueError(f"medusa_choices asks for top-{max(tree.widths)} of a "
                              f"{heads.vocab_size}-token vocabulary")
         self.heads, self.tree = heads, tree
+        self.max_segment_tokens = len(tree.paths)
 
     def get_candidates(self, session: KVSession, new_token_ids: list[int]) -> Candidates:
         state = session.proposer_state.get(STATE_KEY)

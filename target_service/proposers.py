@@ -43,6 +43,8 @@ class TargetProposer(Protocol):
 
     #: Whether update_candidate_strategy needs the last hidden states.
     with_hidden: bool
+    #: The most tokens a segment holds: the KV room a step takes, beyond the history, during the pass.
+    max_segment_tokens: int
 
     def get_candidates(self, session: KVSession, new_token_ids: list[int]) -> Candidates:
         """The segment to score after `new_token_ids`, from the session's proposer_state."""

@@ -43,11 +43,6 @@ def draft_from(request: target_pb2.ScoreBlocksRequest, session: KVSession
     return ids, dists
 
 
-def _scored_tokens(request: target_pb2.ScoreBlocksRequest) -> int:
-    """KV room a step takes beyond the history: the draft block, or a proposer's segment (transient)."""
-    return len(request.draft_token_ids) + (MAX_BLOCK_TOKENS if request.target_proposer else 0)
-
-
 class TargetService(ModelServicer, target_pb2_grpc.TargetServiceServicer):
     name = "tandem.v1.TargetService"
 
@@ -81,22 +76,24 @@ class TargetService(ModelServicer, target_pb2_grpc.TargetServiceServicer):
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[target_pb2.ScoreBlocksResponse]:
         model = self.host.ready_model()
-        async for session, request in self.host.session_stream(
-                request_iterator, _scored_tokens):
+        async for session, request in self.host.session_stream(request_iterator):
             step = step_from(request, session)
             params = sampling_from(request.sampling)
             proposer = self._proposer(request)
+            history = step.cache_position + len(step.new_token_ids)
             if proposer is not None:
-                verified, ms = await self.host.run_step(session, propose_and_verify, model, session, step,
-                                                   proposer, params, request.seed)
+                # The proposer's segment is cached during the pass, and cropped after it.
+                verified, ms = await self.host.run_step(
+                    session, history + proposer.max_segment_tokens, propose_and_verify, model, session,
+                    step, proposer, params, request.seed)
                 yield target_pb2.ScoreBlocksResponse(
                     committed_token_ids=verified.committed_token_ids,
                     proposed_token_count=verified.proposed_count,
                     cache_length=verified.cache_length, compute_ms=ms)
                 continue
             ids, dists = draft_from(request, session)
-            result, ms = await self.host.run_step(session, score_block, model, session, step, ids, dists,
-                                             params, request.seed)
+            result, ms = await self.host.run_step(session, history + len(ids), score_block, model, session,
+                                                  step, ids, dists, params, request.seed)
             yield target_pb2.ScoreBlocksResponse(
                 target_probs=result.scored.target_probs,
                 recovered_token_ids=result.scored.recovered_token_ids,

@@ -85,10 +85,20 @@ def test_a_session_whose_step_is_running_is_never_evicted(model) -> None:  # typ
     table, (a, b) = _table_with(model, 15, 10, 5)
     _, c = table.open("c", vocab_size=40)
     with table.running(a), pytest.raises(ResourceExhausted, match="held by the step running now"):
-        table.reserve(c, 10)  # b (queued or idle) is evicted; a, running, is not
-    assert not a.evicted and b.evicted
-    table.reserve(c, 10)  # a's step is over: now a can go
-    assert a.evicted
+        table.reserve(c, 10)  # evicting b (idle) would not make room while a runs
+    assert not a.evicted and not b.evicted  # so nothing is evicted for a refused step
+    table.reserve(c, 10)  # a's step is over: now a can go (least recently used), b need not
+    assert a.evicted and not b.evicted
+
+
+def test_an_evicted_session_claims_no_room(model) -> None:  # type: ignore[no-untyped-def]
+    from tandem.errors import SessionEvicted
+
+    table, (a, b, c) = _table_with(model, 30, 10, 10, 10)
+    a.evict()
+    with pytest.raises(SessionEvicted):
+        table.reserve(a, 25)  # its step is refused before it can push b or c out
+    assert not b.evicted and not c.evicted
 
 
 def test_a_step_larger_than_the_budget_is_refused(model) -> None:  # type: ignore[no-untyped-def]

@@ -109,7 +109,7 @@ def test_a_session_stream_keeps_sessions_queue_depth_and_kv_use() -> None:
     async def scenario() -> None:
         opened = value("tandem_sessions_total", model=model)
         seen = []
-        async for session, _ in host.session_stream(requests(), lambda _: 0):
+        async for session, _ in host.session_stream(requests()):
             # The service is answering this step now; the KV metric holds the earlier steps'.
             seen.append((value("tandem_sessions_active", model=model),
                          value("tandem_steps_in_flight", model=model),
