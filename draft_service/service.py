@@ -7,13 +7,14 @@ from collections.abc import AsyncIterator
 import grpc
 
 from draft_service.proposer import propose_block
+from tandem.config import MAX_BLOCK_TOKENS
 from tandem.errors import InvalidRequest
 from tandem.model_service import ModelServicer, sampling_from, step_from
 from tandem.server import handle_errors
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 # Bounds on a step's request, so one request cannot monopolise the replica.
-MAX_SPECULATIVE_TOKENS = 64
+MAX_SPECULATIVE_TOKENS = MAX_BLOCK_TOKENS
 MAX_SUPPORT_SIZE = 1024
 
 

@@ -31,7 +31,7 @@ from orchestrator.remote import (
 from orchestrator.speculation import Generation, Step, Usage, speculate
 from orchestrator.text import TextStream
 from tandem import metrics, models
-from tandem.config import option
+from tandem.config import MAX_BLOCK_TOKENS, option
 from tandem.errors import InvalidRequest, Unavailable
 from tandem.model_service import sampling_from
 from tandem.security import ClientTls, ServerSecurityConfig, load_client_tls
@@ -186,6 +186,12 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         self.targets: ReplicaPool | None = None
         if config.speculation_policy not in POLICIES:
             raise ValueError(f"--speculation-policy must be one of {POLICIES}")
+        if config.max_speculative_tokens > MAX_BLOCK_TOKENS:
+            raise ValueError(f"--max-speculative-tokens {config.max_speculative_tokens} exceeds the "
+                             f"{MAX_BLOCK_TOKENS} tokens the draft and target services score per block")
+        if not 0 <= config.num_speculative_tokens <= config.max_speculative_tokens:
+            raise ValueError(f"--num-speculative-tokens {config.num_speculative_tokens} must be in [0, "
+                             f"--max-speculative-tokens {config.max_speculative_tokens}]")
         # Acceptance and draft cost differ per proposer; verify costs are the target's, shared.
         target_costs = CostModel()
         self.costs: dict[int, CostModel] = collections.defaultdict(target_costs.for_proposer)

@@ -14,6 +14,10 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
+# The most tokens one step drafts or scores as a block, on every service: a bound on what
+# one request can make a replica compute in one pass.
+MAX_BLOCK_TOKENS = 64
+
 
 def option(default: Any, help: str) -> Any:
     return dataclasses.field(default=default, metadata={"help": help})

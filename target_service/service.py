@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from tandem import sampling
+from tandem.config import MAX_BLOCK_TOKENS
 from tandem.errors import InvalidRequest
 from tandem.kv import KVSession
 from tandem.model_service import ModelHost, ModelServicer, sampling_from, step_from
@@ -15,8 +16,6 @@ from tandem.server import handle_errors
 from tandem.v1 import common_pb2, target_pb2, target_pb2_grpc
 from target_service.proposers import TargetProposer, build_proposers
 from target_service.scorer import propose_and_verify, score_block
-
-MAX_BLOCK_TOKENS = 64
 
 
 def draft_from(request: target_pb2.ScoreBlocksRequest, session: KVSession
@@ -37,8 +36,13 @@ def draft_from(request: target_pb2.ScoreBlocksRequest, session: KVSession
         total = math.fsum(d.probs)
         if any(not 0.0 <= p <= 1.0 for p in d.probs) or abs(total - 1.0) > 1e-3:
             raise InvalidRequest(f"draft_distributions[{i}].probs must lie in [0, 1] and sum to 1 (got {total:.6f})")
+        if len(set(d.token_ids)) != len(d.token_ids):
+            raise InvalidRequest(f"draft_distributions[{i}].token_ids must be distinct")
         if token not in d.token_ids:
             raise InvalidRequest(f"draft_token_ids[{i}]={token} is not in the support of draft_distributions[{i}]")
+        if d.probs[list(d.token_ids).index(token)] <= 0.0:
+            raise InvalidRequest(f"draft_token_ids[{i}]={token} has probability 0 in draft_distributions[{i}]; "
+                                 "a draft samples only tokens its distribution gives mass")
         dists.append(sampling.SparseDistribution(tuple(d.token_ids), tuple(d.probs)))
     return ids, dists
 

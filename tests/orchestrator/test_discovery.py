@@ -762,3 +762,14 @@ def test_removed_replica_closes_only_after_its_last_session() -> None:
         await pool.close()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("fields, needle", [
+    ({"max_speculative_tokens": 65}, "--max-speculative-tokens 65 exceeds the 64 tokens"),
+    ({"num_speculative_tokens": 20}, "--num-speculative-tokens 20 must be in [0, --max-speculative-tokens 16]"),
+    ({"num_speculative_tokens": -1}, "--num-speculative-tokens -1 must be in [0,"),
+])
+def test_config_keeps_k_within_what_the_services_score(fields: dict, needle: str) -> None:  # type: ignore[type-arg]
+    with pytest.raises(ValueError) as err:
+        OrchestratorService(OrchestratorConfig(target="a:1", **fields))
+    assert needle in str(err.value)

@@ -49,6 +49,10 @@ def test_target_scores_a_block(tiny_stack: Stack) -> None:
      grpc.StatusCode.INVALID_ARGUMENT, "sum to 1"),
     ({"sampling": common_pb2.SamplingParams(temperature=float("nan"))}, grpc.StatusCode.INVALID_ARGUMENT,
      "temperature"),
+    ({"draft_token_ids": [3], "draft_distributions": [common_pb2.SparseDistribution(token_ids=[3, 3], probs=[0.5, 0.5])]},
+     grpc.StatusCode.INVALID_ARGUMENT, "token_ids must be distinct"),
+    ({"draft_token_ids": [3], "draft_distributions": [common_pb2.SparseDistribution(token_ids=[3, 4], probs=[0.0, 1.0])]},
+     grpc.StatusCode.INVALID_ARGUMENT, "has probability 0"),
 ])
 def test_target_rejects_bad_steps(tiny_stack: Stack, fields: dict, code: grpc.StatusCode, needle: str) -> None:  # type: ignore[type-arg]
     request = target_pb2.ScoreBlocksRequest(**{"session_id": "bad", "new_token_ids": [5], **fields})
