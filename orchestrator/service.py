@@ -48,6 +48,9 @@ log = logging.getLogger(__name__)
 FinishReason: TypeAlias = orchestrator_pb2.FinishReason
 
 MAX_STOP_STRINGS = 16
+# A text prompt longer than this many characters per token of the target's context cannot
+# fit (tokens of real vocabularies are far shorter): refused before it is tokenized.
+MAX_CHARS_PER_TOKEN = 100
 MAX_STOP_STRING_CHARS = 256
 # Discovery: a replica Kubernetes calls ready is already SERVING, so describing it is quick;
 # the first request waits at most DISCOVERY_SYNC_S for the first listing's replicas.
@@ -319,7 +322,7 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
             if pool is not None:
                 await pool.close()
 
-    def _validate(self, request: Any) -> tuple[Generation, tuple[str, ...]]:
+    async def _validate(self, request: Any) -> tuple[Generation, tuple[str, ...]]:
         if self.tokenizer is None or self.target_info is None:
             raise Unavailable("the orchestrator is still connecting to its replicas")
         cfg, info = self.config, self.target_info
@@ -331,7 +334,13 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
             if bad:
                 raise InvalidRequest(f"prompt_token_ids must be in [0, {info.vocab_size}); got {bad[:5]}")
         elif request.prompt:
-            prompt = self.tokenizer.encode(request.prompt)
+            most = MAX_CHARS_PER_TOKEN * info.max_context_tokens
+            if info.max_context_tokens and len(request.prompt) > most:
+                raise InvalidRequest(
+                    f"prompt has {len(request.prompt)} characters, more than {MAX_CHARS_PER_TOKEN} per "
+                    f"token of the target's {info.max_context_tokens}-token context ({most}); shorten it")
+            # Off the event loop: a long prompt takes a while to tokenize, and other streams go on.
+            prompt = await asyncio.to_thread(self.tokenizer.encode, request.prompt)
         else:
             raise InvalidRequest("prompt is empty: set prompt (text) or prompt_token_ids")
         max_new = request.max_new_tokens or cfg.default_max_new_tokens
@@ -376,7 +385,7 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
     async def _run(self, request: Any, context: grpc.aio.ServicerContext
                    ) -> AsyncIterator[tuple[list[int], str, FinishReason, Usage, int]]:
         """Yield (token_ids, text, finish_reason, usage, wire_bytes) per step; finish_reason 0 until the end."""
-        gen, stops = self._validate(request)
+        gen, stops = await self._validate(request)
         async with self.admission.slot():
             async for step in self._generate(gen, stops, context):
                 yield step

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -19,6 +20,9 @@ from orchestrator.policy import CostModel, Speculation
 from orchestrator.proposers import Proposer
 from orchestrator.remote import EMPTY_BLOCK, TargetSession
 from tandem import sampling
+
+A = TypeVar("A")
+B = TypeVar("B")
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,20 @@ class Step:
     finished_by_eos: bool
 
 
+async def _both(a: Awaitable[A], b: Awaitable[B]) -> tuple[A, B]:
+    """Await both concurrently; if either fails (or this is cancelled), cancel the other."""
+    first, second = asyncio.ensure_future(a), asyncio.ensure_future(b)
+    try:
+        done, _ = await asyncio.wait((first, second), return_when=asyncio.FIRST_EXCEPTION)
+        for task in done:
+            if task.exception() is not None:
+                raise task.exception()  # type: ignore[misc]
+        return first.result(), second.result()
+    finally:
+        for task in (first, second):
+            task.cancel()
+
+
 async def speculate(gen: Generation, proposer: Proposer | None, target: TargetSession,
                     usage: Usage, costs: CostModel) -> AsyncIterator[Step]:
     """Yield the tokens committed by each step until max_new_tokens or EOS.
@@ -77,7 +95,7 @@ async def speculate(gen: Generation, proposer: Proposer | None, target: TargetSe
             scores = await target.score(history, block, gen.sampling, target_seed)
         elif prefill:
             # Prefill both caches at once; the target alone yields the first token (TTFT).
-            block, scores = await asyncio.gather(
+            block, scores = await _both(
                 proposer.get_candidates(history, 0, gen.sampling, draft_seed),
                 target.score(history, EMPTY_BLOCK, gen.sampling, target_seed))
         else:

@@ -156,3 +156,40 @@ def test_oversized_request_gets_resource_exhausted(small_limit_orchestrator: Pro
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "context" in err.value.details()
     still_serves(stack)
+
+
+# --- A text prompt far longer than the context ---
+
+def test_a_prompt_too_long_to_fit_is_refused_before_tokenizing(tiny_stack: Stack) -> None:
+    # The tiny target's context is 512 tokens: 100 characters per token of it is 51,200.
+    with tiny_stack.client() as client, pytest.raises(grpc.RpcError) as err:
+        client.generate("ab" * 30_000, max_new_tokens=2)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "prompt has 60000 characters, more than 100 per token" in err.value.details()
+    still_serves(tiny_stack)
+
+
+def test_a_text_prompt_is_tokenized_off_the_event_loop() -> None:
+    """The tokenizer waits for the event loop to run something else: on the loop it would time out."""
+    import asyncio
+    import threading
+
+    from orchestrator.service import OrchestratorConfig, OrchestratorService
+
+    loop_ran = threading.Event()
+
+    class WaitsForTheLoop:
+        def encode(self, text: str) -> list[int]:
+            assert loop_ran.wait(timeout=20), "the event loop was blocked while tokenizing"
+            return [1, 2, 3]
+
+    service = OrchestratorService(OrchestratorConfig(target="127.0.0.1:1"))
+    service.tokenizer = WaitsForTheLoop()
+    service.target_info = common_pb2.ModelInfo(vocab_size=10, max_context_tokens=100)
+
+    async def scenario() -> None:
+        asyncio.get_running_loop().call_soon(loop_ran.set)
+        gen, _ = await service._validate(orchestrator_pb2.GenerateRequest(prompt="abc", max_new_tokens=2))
+        assert gen.prompt_token_ids == (1, 2, 3)
+
+    asyncio.run(scenario())
