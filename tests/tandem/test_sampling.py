@@ -137,9 +137,15 @@ def _two_tokens(accept_rule: object, trials: int, seed: int = 0) -> tuple[list[i
 
 
 def _p_value(counts: list[int], exact: torch.Tensor) -> float:
+    """Chi-square goodness of fit; cells expected fewer than 5 times are pooled into one
+    (the test's approximation needs it: one draw in a cell expected 0.01 times is no evidence)."""
     law = exact.double() / exact.double().sum()
-    expected = law * sum(counts)
-    return float(stats.chisquare(counts, expected.tolist()).pvalue)
+    expected = (law * sum(counts)).tolist()
+    big = [i for i, e in enumerate(expected) if e >= 5]
+    small = [i for i, e in enumerate(expected) if e < 5]
+    observed = [counts[i] for i in big] + ([sum(counts[i] for i in small)] if small else [])
+    wanted = [expected[i] for i in big] + ([sum(expected[i] for i in small)] if small else [])
+    return float(stats.chisquare(observed, wanted).pvalue)
 
 
 def test_speculative_sampling_matches_target_distribution() -> None:
@@ -157,6 +163,69 @@ def test_statistical_test_catches_a_subtly_wrong_acceptance_rule() -> None:
     """Accepting with probability min(1, p) instead of min(1, p/q) also fails."""
     counts, exact = _two_tokens(lambda p, q, u: sampling.num_accepted(p, [1.0] * len(p), u),
                                 trials=20_000)
+    assert _p_value(counts, exact) < ALPHA
+
+
+def _three_tokens(trials: int, support: int = VOCAB, sample_from_truncated: bool = True,
+                  score: object = sampling.score_block, seed: int = 0) -> tuple[list[int], torch.Tensor]:
+    """The first three tokens with k=2: every path, the bonus token included, is counted.
+
+    The draft sends its distributions truncated to `support` tokens (what the draft service
+    does with max_support_size < vocab). An honest draft samples from what it sends
+    (sample_from_truncated); a broken one samples from its full q and sends the truncation.
+    """
+    tables = torch.Generator().manual_seed(99)
+    p1, p2, p3 = _random_rows(tables), _random_rows(tables, VOCAB), _random_rows(tables, VOCAB, VOCAB)
+    q1, q2 = _random_rows(tables), _random_rows(tables, VOCAB)
+    rng = torch.Generator().manual_seed(seed)
+
+    def draft(q: torch.Tensor) -> tuple[int, SparseDistribution]:
+        ids, probs = sampling.truncate(q, support)
+        x = (int(ids[sampling.sample(probs[None], rng)[0]]) if sample_from_truncated
+             else int(sampling.sample(q[None], rng)[0]))
+        return x, SparseDistribution(tuple(ids.tolist()), tuple(probs.tolist()))
+
+    counts = [0] * VOCAB ** 3
+    for _ in range(trials):
+        x1, d1 = draft(q1)
+        x2, d2 = draft(q2[x1])
+        target = torch.stack([p1, p2[x1], p3[x1, x2]])
+        scored = score(target, [x1, x2], [d1, d2], rng)  # type: ignore[operator]
+        q_of = [d.probs[d.token_ids.index(x)] if x in d.token_ids else 0.0 for d, x in ((d1, x1), (d2, x2))]
+        uniforms = torch.rand(2, generator=rng, dtype=torch.float64).tolist()
+        out = sampling.commit([x1, x2], scored, sampling.num_accepted(scored.target_probs, q_of, uniforms))
+        while len(out) < 3:  # the next steps would sample from the target alone
+            row = p2[out[0]] if len(out) == 1 else p3[out[0], out[1]]
+            out.append(int(sampling.sample(row[None], rng)[0]))
+        counts[(out[0] * VOCAB + out[1]) * VOCAB + out[2]] += 1
+    exact = (p1[:, None, None] * p2[:, :, None] * p3).reshape(-1)
+    return counts, exact
+
+
+def test_the_bonus_token_follows_the_target() -> None:
+    counts, exact = _three_tokens(trials=20_000)
+    assert _p_value(counts, exact) > ALPHA
+
+
+def test_statistical_test_catches_a_bonus_from_the_wrong_position() -> None:
+    """Power: the bonus token drawn from the last drafted position's p instead of the next one's."""
+    import dataclasses
+
+    def bonus_from_p_k(target, drafted, dists, rng):  # type: ignore[no-untyped-def]
+        scored = sampling.score_block(target, drafted, dists, rng)
+        return dataclasses.replace(scored, bonus_token_id=int(sampling.sample(target[-2][None], rng)[0]))
+
+    counts, exact = _three_tokens(trials=20_000, score=bonus_from_p_k)
+    assert _p_value(counts, exact) < ALPHA
+
+
+def test_a_truncated_draft_distribution_stays_exact() -> None:
+    counts, exact = _three_tokens(trials=20_000, support=2)
+    assert _p_value(counts, exact) > ALPHA
+
+
+def test_statistical_test_catches_a_draft_that_samples_outside_what_it_sends() -> None:
+    counts, exact = _three_tokens(trials=20_000, support=2, sample_from_truncated=False)
     assert _p_value(counts, exact) < ALPHA
 
 
