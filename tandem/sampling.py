@@ -84,6 +84,8 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     # (down to float32 subnormals) cannot overflow the logits to inf and the probs to NaN.
     logits = (logits - logits.max(-1, keepdim=True).values) / params.temperature
     if 0 < params.top_k < logits.shape[-1]:
+        # NOTE: tokens tied with the k-th are kept too (as in HF's and vLLM's top-k), so more
+        # than k may remain. Draft and target use this same function, so it is exact either way.
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, -math.inf)
     probs = torch.softmax(logits, dim=-1)
