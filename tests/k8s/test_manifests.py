@@ -241,6 +241,14 @@ def test_no_service_runs_without_resource_requests(manifests: Manifests) -> None
             assert "memory" in resources.get("limits", {}), container["name"]
 
 
+@pytest.mark.parametrize("component", ("draft", "target"))
+def test_model_services_bound_their_kv_caches(manifests: Manifests, component: str) -> None:
+    """Without a KV budget, enough concurrent long sessions get a replica OOM-killed, and every
+    session on it with it; with one, idle sessions are evicted and rebuilt from history."""
+    env = manifests.env(manifests.container(component))
+    assert int(env.get("TANDEM_KV_BUDGET_TOKENS", "0")) > 0, f"{component}: set TANDEM_KV_BUDGET_TOKENS"
+
+
 # --- shutdown ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("component", COMPONENTS)
