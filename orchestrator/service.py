@@ -117,7 +117,7 @@ class OrchestratorConfig(ServerSecurityConfig):
     def upstream_tls(self) -> ClientTls | None:
         return load_client_tls(self.upstream_tls_ca, self.upstream_tls_cert,
                                self.upstream_tls_key, self.upstream_tls_server_name,
-                               enabled=bool(self.upstream_tls_server_name), flag="--upstream-tls")
+                               flag="--upstream-tls")
 
 
 def proposer_kind(name: str) -> int:

@@ -101,7 +101,7 @@ def _up(args: argparse.Namespace) -> None:
     print(f"starting draft {args.draft} ({args.draft_dtype}) and target {args.target} "
           f"({args.target_dtype}); loading models...", flush=True)
     stack = start_stack(args.draft, args.target, draft_dtype=args.draft_dtype,
-                        target_dtype=args.target_dtype, threads=0, port=args.port,
+                        target_dtype=args.target_dtype, threads=0, port=args.port, host=args.host,
                         draft_args=["--quantize", args.draft_quantize] if args.draft_quantize else [])
     print(f"Tandem is ready: orchestrator listening on {stack.address}\n"
           f"  try: tandem generate --address {stack.address} \"def fibonacci(n):\"", flush=True)
@@ -183,7 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--draft-dtype", default="float32")
     up.add_argument("--target-dtype", default="float32")
     up.add_argument("--draft-quantize", default="", help="int8-dynamic: a cheaper CPU draft")
-    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--host", default="127.0.0.1",
+                    help="address the orchestrator binds (the draft and target stay on 127.0.0.1)")
     up.add_argument("--port", type=int, default=int(os.environ.get("TANDEM_PORT", "50051")))
     up.set_defaults(func=_up)
 

@@ -58,10 +58,11 @@ class Process:
         return self.proc.wait()
 
 
-def spawn(argv: Sequence[str], env: dict[str, str] | None = None, port: int = 0) -> Process:
-    """Run `tandem <argv>` on 127.0.0.1:port (0: a free port); return once it prints its address."""
+def spawn(argv: Sequence[str], env: dict[str, str] | None = None, port: int = 0,
+          host: str = "127.0.0.1") -> Process:
+    """Run `tandem <argv>` on host:port (0: a free port); return once it prints its address."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tandem.cli", *argv, "--host", "127.0.0.1", "--port", str(port)],
+        [sys.executable, "-m", "tandem.cli", *argv, "--host", host, "--port", str(port)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, **(env or {})},
     )
@@ -118,9 +119,11 @@ def start_stack(draft_model: str | None, target_model: str, *, num_drafts: int =
                 num_targets: int = 1, draft_dtype: str = "float32",
                 target_dtype: str = "float32", threads: int = 1,
                 draft_args: Sequence[str] = (), target_args: Sequence[str] = (),
-                orchestrator_args: Sequence[str] = (), port: int = 0,
+                orchestrator_args: Sequence[str] = (), port: int = 0, host: str = "127.0.0.1",
                 tls: ClientTls | None = None, token: str | None = None) -> Stack:
     """Start drafts, targets and an orchestrator; return when all are SERVING.
+
+    The orchestrator binds `host` (the public API); the replicas only ever bind 127.0.0.1.
 
     With TLS flags among the *_args, `tls` is how this process reaches every service (one CA,
     and a client certificate where mutual TLS is on); `token` is what `Stack.client()` sends.
@@ -132,7 +135,7 @@ def start_stack(draft_model: str | None, target_model: str, *, num_drafts: int =
                for _ in range(num_targets)]
     orch = spawn(["orchestrator", "--draft", ",".join(p.address for p in drafts),
                   "--target", ",".join(p.address for p in targets), "--tokenizer", target_model,
-                  *orchestrator_args], port=port)
+                  *orchestrator_args], port=port, host=host)
     try:
         for p in (*drafts, *targets, orch):
             wait_serving(p, tls=tls)

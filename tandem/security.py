@@ -93,9 +93,9 @@ class ClientTls:
 
 def load_client_tls(ca: str = "", cert: str = "", key: str = "", server_name: str = "",
                     *, enabled: bool = False, flag: str = "--tls") -> ClientTls | None:
-    """From file paths; None (plaintext) unless a path is set or `enabled` (TLS with the
-    system's trusted roots). `flag` prefixes the flag names in error messages."""
-    if not (ca or cert or key or enabled):
+    """From file paths; None (plaintext) unless a path or server name is set, or `enabled`
+    (TLS with the system's trusted roots). `flag` prefixes the flag names in error messages."""
+    if not (ca or cert or key or server_name or enabled):
         return None
     if bool(cert) != bool(key):
         raise SecurityConfigError(f"a client certificate needs both {flag}-cert and {flag}-key")

@@ -25,6 +25,7 @@ import inspect
 import logging
 import signal
 import sys
+import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
@@ -176,13 +177,43 @@ async def serve(services: list[Service], label: str, host: str, port: int,
             exporter.stop()
 
 
+def _on_daemon_thread(fn: Callable[[], Any]) -> asyncio.Future[Any]:
+    """fn() on a daemon thread. A load can take minutes (weights, waiting for replicas); a
+    SIGTERM meanwhile must not wait for it, and the default executor's threads are joined
+    when the process exits, daemon threads are not."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Any] = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if future.done():
+            return  # cancelled: the server stopped without it
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    def run() -> None:
+        result, error = None, None
+        try:
+            result = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting loop
+            error = exc
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:
+            pass  # the loop is gone: the process is stopping
+
+    threading.Thread(target=run, name="load", daemon=True).start()
+    return future
+
+
 async def _run_until_signal(services: list[Service], label: str, host: str,
                             running: RunningServer, grace_s: float) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    load: asyncio.Future[Any] = asyncio.gather(*(asyncio.to_thread(s.load) for s in services))
+    load: asyncio.Future[Any] = asyncio.gather(*(_on_daemon_thread(s.load) for s in services))
     waiter = asyncio.ensure_future(stop.wait())
     await asyncio.wait([load, waiter], return_when=asyncio.FIRST_COMPLETED)
     if load.done():

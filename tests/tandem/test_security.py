@@ -234,6 +234,14 @@ def test_tls_settings_that_cannot_work_are_refused(pki: Pki, tmp_path: Path) -> 
     assert security.read_token(str(pki.token_file)) == pki.token
 
 
+def test_a_server_name_alone_means_tls_with_the_system_roots() -> None:
+    """Naming the server to verify asks for TLS, as --upstream-tls-server-name does on the
+    orchestrator; before, `tandem generate --tls-server-name` alone went plaintext, sending
+    any bearer token in the clear."""
+    tls = security.load_client_tls(server_name="tandem.example.com")
+    assert tls is not None and tls.root_ca is None and tls.server_name == "tandem.example.com"
+
+
 def test_key_material_stays_out_of_reprs(pki: Pki) -> None:
     server = security.load_server_tls(str(pki.server.cert), str(pki.server.key), str(pki.ca.path))
     client = pki.client_tls()

@@ -40,3 +40,13 @@ def test_not_serving_until_loaded_then_graceful_stop(capsys) -> None:  # type: i
             loop.remove_signal_handler(sig)
 
     asyncio.run(scenario())
+
+
+def test_sigterm_while_loading_stops_the_process_without_waiting_for_the_load() -> None:
+    """An orchestrator still waiting (up to 10 min here) for a target that never comes is
+    deleted: it exits on SIGTERM, rather than when the wait ends or the kubelet kills it."""
+    from tandem.launch import spawn
+
+    process = spawn(["orchestrator", "--target", "127.0.0.1:1", "--replica-wait-s", "600"])
+    process.proc.send_signal(signal.SIGTERM)
+    assert process.proc.wait(timeout=60) == 0, "".join(process.lines)
