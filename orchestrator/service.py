@@ -403,7 +403,7 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
                                                             common_pb2.PROPOSER_MEDUSA) else 0)
         target = TargetSession(targets, session_id, deadline, retry_s=self.config.replica_retry_s,
                                proposer=target_proposer)
-        text = TextStream(self.tokenizer, stops)
+        text = TextStream(self.tokenizer, stops, gen.prompt_token_ids)
         usage = Usage()
         reason: FinishReason = orchestrator_pb2.FINISH_REASON_LENGTH
         usage.proposer = proposer.kind if proposer else target_proposer or common_pb2.PROPOSER_NONE
@@ -418,6 +418,7 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
                         break
                 if text.stopped:
                     usage.completion_tokens -= len(step.token_ids) - len(kept)
+                    usage.accepted_tokens -= step.accepted - min(step.accepted, len(kept))
                     reason = orchestrator_pb2.FINISH_REASON_STOP_STRING
                 elif step.finished_by_eos:
                     reason = orchestrator_pb2.FINISH_REASON_EOS
@@ -426,7 +427,10 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
                 if text.stopped:
                     break
             wire = target.wire_bytes + (proposer.wire_bytes if proposer else 0)
-            yield [], text.take(final=True), reason, usage, wire
+            rest = text.take(final=True)  # may complete a stop string (an incomplete last character)
+            if text.stopped:
+                reason = orchestrator_pb2.FINISH_REASON_STOP_STRING
+            yield [], rest, reason, usage, wire
         finally:
             metrics.observe_tokens(prompt=usage.prompt_tokens, completion=usage.completion_tokens)
             await target.close()

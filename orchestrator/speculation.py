@@ -56,6 +56,7 @@ class Usage:
 class Step:
     token_ids: list[int]  # committed this step
     finished_by_eos: bool
+    accepted: int = 0  # of token_ids, how many were drafted (the rest: recovered or bonus)
 
 
 async def _both(a: Awaitable[A], b: Awaitable[B]) -> tuple[A, B]:
@@ -129,6 +130,7 @@ async def speculate(gen: Generation, proposer: Proposer | None, target: TargetSe
         usage.drafted_tokens += drafted
         usage.accepted_tokens += min(accepted, len(new))  # a tree's path may pass the end
         usage.target_forward_passes += 1
-        yield Step(new, finished_by_eos=eos_at is not None and eos_at < len(new))
+        yield Step(new, finished_by_eos=eos_at is not None and eos_at < len(new),
+                   accepted=min(accepted, len(new)))
         if eos_at is not None and eos_at < len(new):
             return

@@ -21,40 +21,66 @@ def decoder(tokenizer: Any) -> Callable[[list[int]], str]:
     return lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True))
 
 
+# Prompt tokens decoded before the first generated one, so the first token's text is what
+# it adds after the prompt (a SentencePiece tokenizer drops the leading space of a text's
+# first token), as vLLM and TGI do.
+PROMPT_CONTEXT_TOKENS = 5
+
+
 class TextStream:
-    def __init__(self, tokenizer: Any, stop_strings: tuple[str, ...]) -> None:
+    def __init__(self, tokenizer: Any, stop_strings: tuple[str, ...],
+                 prompt_token_ids: tuple[int, ...] | list[int] = ()) -> None:
         self._decode = decoder(tokenizer)
         self.stop_strings = stop_strings
         self.holdback = max((len(s) for s in stop_strings), default=1) - 1
-        self.token_ids: list[int] = []
+        self.token_ids: list[int] = []  # generated, through the one that completed a stop string
         self.text = ""  # decoded so far (excluding anything after a stop string)
         self.emitted = 0  # characters of self.text already returned
         self.stopped = False
+        # The decode window: prompt context, then generated tokens; text past _read_offset is
+        # not in self.text yet (it ends in an incomplete character).
+        self._ids = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
         self._prefix_offset = 0
-        self._read_offset = 0
+        self._read_offset = len(self._ids)
 
     def add(self, token_id: int) -> None:
         """Append one token; sets `stopped` (and trims text) if a stop string completes."""
         self.token_ids.append(token_id)
-        prefix = self._decode(self.token_ids[self._prefix_offset:self._read_offset])
-        window = self._decode(self.token_ids[self._prefix_offset:])
-        if len(window) > len(prefix) and not window.endswith("\ufffd"):
-            search_from = max(0, len(self.text) - self.holdback)
-            self.text += window[len(prefix):]
-            self._prefix_offset, self._read_offset = self._read_offset, len(self.token_ids)
-            hits = [at for at in (self.text.find(s, search_from) for s in self.stop_strings) if at != -1]
-            if hits:
-                self.text = self.text[: min(hits)]
-                self.stopped = True
+        self._ids.append(token_id)
+        new = self._pending()
+        if new.endswith("\ufffd"):
+            # The token's last character is incomplete: hold its text back, but a stop string
+            # may already be complete in what comes before it.
+            self._find_stop(self.text + new.rstrip("\ufffd"))
+            return
+        if new:
+            self._commit(new)
 
     def take(self, final: bool = False) -> str:
         """Text not yet returned; holds back a possible stop-string prefix unless final."""
-        if final and not self.stopped and self._read_offset < len(self.token_ids):
-            # Flush an incomplete trailing character as the tokenizer renders it.
-            prefix = self._decode(self.token_ids[self._prefix_offset:self._read_offset])
-            self.text += self._decode(self.token_ids[self._prefix_offset:])[len(prefix):]
-            self._read_offset = len(self.token_ids)
+        if final and not self.stopped and self._read_offset < len(self._ids):
+            self._commit(self._pending())  # an incomplete trailing character, as the tokenizer renders it
         end = len(self.text) if final or self.stopped else max(self.emitted, len(self.text) - self.holdback)
         delta = self.text[self.emitted:end]
         self.emitted = end
         return delta
+
+    def _pending(self) -> str:
+        """Text the tokens past _read_offset add (empty if they add none yet)."""
+        prefix = self._decode(self._ids[self._prefix_offset:self._read_offset])
+        window = self._decode(self._ids[self._prefix_offset:])
+        return window[len(prefix):] if len(window) > len(prefix) else ""
+
+    def _commit(self, new: str) -> None:
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        self._find_stop(self.text + new)
+        if not self.stopped:
+            self.text += new
+
+    def _find_stop(self, text: str) -> None:
+        """Stop at the earliest stop string in `text` that ends past what was checked before."""
+        search_from = max(0, len(self.text) - self.holdback)
+        hits = [at for at in (text.find(s, search_from) for s in self.stop_strings) if at != -1]
+        if hits:
+            self.text = text[: min(hits)]
+            self.stopped = True

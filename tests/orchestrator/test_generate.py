@@ -157,6 +157,10 @@ def test_stop_string_truncates_text(tiny_stack: Stack, reference) -> None:  # ty
     assert reply.text == full[:cut]
     assert reply.finish_reason == orchestrator_pb2.FINISH_REASON_STOP_STRING
     assert reply.usage.completion_tokens == len(reply.token_ids) < LENGTH
+    # Drafted tokens cut off with the step's tail are not counted as accepted either: every
+    # pass but the last yields at least one token that was not drafted.
+    usage = reply.usage
+    assert usage.accepted_tokens + usage.target_forward_passes - 1 <= usage.completion_tokens
 
 
 # --- Medusa heads on the target: it proposes a token tree and verifies it in one pass ---

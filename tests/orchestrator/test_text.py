@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from tiny import make_tokenizer
 
 from orchestrator.text import TextStream
@@ -64,3 +66,59 @@ def test_fast_decoder_gives_the_tokenizers_own_text() -> None:
     original = cleaning.decode
     cleaning.decode = lambda ids, **kw: calls.append(ids) or original(ids, **kw)  # type: ignore[method-assign]
     assert decoder(cleaning)([5, 6]) == original([5, 6], skip_special_tokens=True) and calls == [[5, 6]]
+
+
+class ByteTokenizer:
+    """Tokens that are byte strings, decoded as a byte-level BPE does: a split character
+    shows as U+FFFD until its last byte arrives."""
+
+    clean_up_tokenization_spaces = False
+    PIECES: ClassVar[dict[int, bytes]] = {1: b"Say", 2: b":", 3: b" \xe6", 4: b"\x97\xa5"}  # 3 + 4: " 日"
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return b"".join(self.PIECES[i] for i in ids).decode("utf-8", "replace")
+
+
+def _stream(ids: list[int], stops: tuple[str, ...]) -> tuple[TextStream, str]:
+    stream, out = TextStream(ByteTokenizer(), stops), []
+    for token in ids:
+        stream.add(token)
+        out.append(stream.take())
+        if stream.stopped:
+            break
+    out.append(stream.take(final=True))
+    return stream, "".join(out)
+
+
+def test_a_stop_string_before_an_incomplete_character_stops_at_once() -> None:
+    # ": " is complete once token 3 (a space and half a character) arrives.
+    stream, text = _stream([1, 2, 3, 4], (": ",))
+    assert stream.stopped and text == "Say" and stream.token_ids == [1, 2, 3]
+
+
+def test_a_stop_string_in_the_final_incomplete_character_is_still_cut() -> None:
+    # Generation ends (length or EOS) after token 3: the flush must look for stop strings too.
+    stream, text = _stream([1, 2, 3], (": ",))
+    assert stream.stopped and text == "Say"
+
+
+def test_a_completed_character_streams_whole() -> None:
+    stream, text = _stream([1, 2, 3, 4], ())
+    assert not stream.stopped and text == "Say: 日"
+
+
+def test_the_first_token_keeps_its_leading_space_after_the_prompt() -> None:
+    """A SentencePiece decoder drops the space that starts a text; the first generated token
+    is not the start of the text, so the prompt's last tokens are decoded before it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "▁Hello": 1, "▁world": 2, "!": 3}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    backend.decoder = decoders.Metaspace(prepend_scheme="first")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")  # type: ignore[no-untyped-call]
+    stream = TextStream(tokenizer, (), prompt_token_ids=[1])
+    for token in (2, 3):
+        stream.add(token)
+    assert stream.take(final=True) == " world!"
