@@ -41,7 +41,9 @@ TANDEM_MODES = ("tandem-k0", "tandem", "tandem-plain-draft", "tandem-lookup", "t
 MODE_PROPOSERS = {"tandem-lookup": "prompt-lookup", "tandem-lookahead": "lookahead",
                   "tandem-medusa": "medusa"}
 MODES = HF_MODES + TANDEM_MODES
-DRAFTLESS_MODES = ("tandem-k0", "tandem-medusa")  # accepted tokens come from no draft model
+# Accepted tokens come from no drafted chain: no draft at all, or a token tree verified in
+# the target's own pass (the chain formulas for alpha, c and the bounds do not apply).
+DRAFTLESS_MODES = ("tandem-k0", "tandem-lookahead", "tandem-medusa")
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,7 @@ class Run:
     total_ms: float = 0.0
     wire_bytes: int = 0
     prefill_ms: float = 0.0
+    rejected: int = 0  # drafted tokens tested and rejected (at most one per pass)
 
     @property
     def tok_s(self) -> float:
@@ -202,7 +205,8 @@ def summarize(runs: list[Run], verify_ratio: dict[int, float] | None = None) -> 
                       decode: bool = False) -> float | None:
                 pairs = [(g[mode].decode_tok_s / g[base].decode_tok_s) if decode
                          else (g[mode].tok_s / g[base].tok_s)
-                         for g in groups if mode in g and base in g]
+                         for g in groups if mode in g and base in g
+                         and (g[base].decode_tok_s if decode else g[base].tok_s) > 0]
                 return statistics.median(pairs) if pairs else None
 
             row: dict[str, Any] = {
@@ -232,9 +236,17 @@ def summarize(runs: list[Run], verify_ratio: dict[int, float] | None = None) -> 
                         for r in mine),
                 }
                 row["per_step"] = step
-                if drafted and mode not in DRAFTLESS_MODES:
-                    alpha = accepted / drafted
-                    c = (sum(r.draft_ms for r in mine) / drafted) / (sum(r.target_ms for r in mine) / passes)
+                tested = accepted + sum(r.rejected for r in mine)
+                if drafted and tested and mode not in DRAFTLESS_MODES:
+                    # Per tested token: a block stops at its first rejection, and the drafts
+                    # after it are never tested (accepted / drafted would understate alpha).
+                    alpha = accepted / tested
+                    # c against a one-token target pass (tandem-k0's, where it ran), as the
+                    # achieved speedup is against tandem-k0; else this mode's mean pass.
+                    plain = [g["tandem-k0"] for g in groups if "tandem-k0" in g]
+                    one_pass = (sum(r.target_ms for r in plain) / sum(r.decode_passes for r in plain)
+                                if plain else sum(r.target_ms for r in mine) / passes)
+                    c = (sum(r.draft_ms for r in mine) / drafted) / one_pass
                     # The k the policy actually drafted, per pass: the configured k is only its most.
                     k_mean = drafted / passes
                     bound = leviathan_bound(alpha, k_mean, c)
@@ -467,6 +479,10 @@ def main(argv: list[str] | None = None) -> None:
                 bar.update(1)
         bar.close()
 
+        out = Path(args.out) / time.strftime("%Y%m%d-%H%M%S")
+        out.mkdir(parents=True, exist_ok=True)
+        # The raw runs first: an hour of measurements survives a failure in what follows.
+        (out / "results.json").write_text(json.dumps({"runs": [asdict(r) for r in runs]}, indent=1))
         summary, kinds = summarize(runs, verify_ratio), by_kind(runs, verify_ratio)
         rss = {"bench (HF in-process)": peak_rss_mb()} | {name: peak_rss_mb(p.proc.pid) for name, p in procs.items()}
         meta = {
@@ -478,8 +494,6 @@ def main(argv: list[str] | None = None) -> None:
             "device": args.device, "matches": matches(runs), "peak_rss_mb": rss,
             "verify_ratio": verify_ratio,
         }
-        out = Path(args.out) / time.strftime("%Y%m%d-%H%M%S")
-        out.mkdir(parents=True, exist_ok=True)
         (out / "results.json").write_text(json.dumps(
             {"meta": meta, "summary": summary, "by_kind": kinds, "runs": [asdict(r) for r in runs]},
             indent=1))
@@ -505,7 +519,7 @@ def _one(mode: str, hf: dict[str, Any], clients: dict[str, Any], ids: list[int],
                                            proposer)
     return Run(mode, setting.name, name, kind, len(tokens), wall, ttft, tokens, usage.drafted_tokens,
                usage.accepted_tokens, usage.target_forward_passes, usage.draft_ms, usage.target_ms,
-               usage.total_ms, usage.wire_bytes, usage.prefill_ms)
+               usage.total_ms, usage.wire_bytes, usage.prefill_ms, usage.rejected_tokens)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,34 @@ class Ema:
         self.value = sample if self.value is None else self.value + self.weight * (sample - self.value)
 
 
+@dataclass
+class Acceptance:
+    """A running acceptance rate: drafted tokens accepted over drafted tokens *tested*.
+
+    A block is checked in order and stops at its first rejection, so the drafts after it
+    are never tested; dividing by every drafted token would understate alpha (0.6 for a
+    true 0.8 at k=4). Both sums decay exponentially; `None` until the first test.
+    """
+
+    weight: float = 0.05
+    accepted: float = 0.0
+    tested: float = 0.0
+
+    def add(self, accepted: int, tested: int) -> None:
+        keep = 1.0 - self.weight if self.tested else 0.0
+        self.accepted = keep * self.accepted + (1.0 - keep) * accepted
+        self.tested = keep * self.tested + (1.0 - keep) * tested
+
+    @property
+    def value(self) -> float | None:
+        return self.accepted / self.tested if self.tested else None
+
+
+def tested_tokens(k: int, accepted: int) -> int:
+    """Drafted tokens a step of k tested: the accepted ones and the first rejected one, if any."""
+    return accepted + (1 if accepted < k else 0)
+
+
 def expected_tokens(alpha: float, k: float) -> float:
     """Tokens one step yields in expectation: accepted drafts plus the recovered/bonus token."""
     if alpha >= 1.0:
@@ -49,7 +77,7 @@ class CostModel:
     draft_ms_per_token: Ema = field(default_factory=Ema)
     verify_ms: dict[int, Ema] = field(default_factory=dict)  # by block size k + 1
     overhead_ms: Ema = field(default_factory=Ema)  # per step, outside both forwards
-    alpha: Ema = field(default_factory=lambda: Ema(weight=0.05))
+    alpha: Acceptance = field(default_factory=Acceptance)
 
     def verify(self, size: int) -> float | None:
         known = self.verify_ms.get(size)
@@ -67,7 +95,7 @@ class CostModel:
                 verify_tokens: int) -> None:
         if k > 0:
             self.draft_ms_per_token.add(draft_ms / k)
-            self.alpha.add(accepted / k)
+            self.alpha.add(accepted, tested_tokens(k, accepted))
         self.verify_ms.setdefault(verify_tokens, Ema()).add(verify_ms)
         self.overhead_ms.add(max(0.0, step_ms - draft_ms - verify_ms))
 
@@ -79,15 +107,15 @@ class Speculation:
     policy: str
     max_k: int
     costs: CostModel
-    prior_weight: float = 8.0  # drafted tokens' worth of trust in the deployment-wide alpha
+    prior_weight: float = 8.0  # tested tokens' worth of trust in the deployment-wide alpha
     probe_every: int = 16  # after this many steps without drafting, draft one token to re-measure
-    drafted: int = 0
+    tested: int = 0  # drafted tokens tested (see Acceptance)
     accepted: int = 0
     idle_steps: int = 0
 
     def alpha(self) -> float:
         prior = self.costs.alpha.value if self.costs.alpha.value is not None else 0.7
-        return (self.accepted + prior * self.prior_weight) / (self.drafted + self.prior_weight)
+        return (self.accepted + prior * self.prior_weight) / (self.tested + self.prior_weight)
 
     def choose(self, remaining: int) -> int:
         """k for the next step; never drafts past what can still be committed."""
@@ -114,7 +142,7 @@ class Speculation:
     def observe(self, k: int, accepted: int, draft_ms: float, verify_ms: float, step_ms: float,
                 verify_tokens: int) -> None:
         """Record a decode step (not a prefill) of k drafted tokens, verify_tokens scored in one pass."""
-        self.drafted += k
+        self.tested += tested_tokens(k, accepted)
         self.accepted += accepted
         self.idle_steps = 0 if k else self.idle_steps + 1
         self.costs.observe(k, accepted, draft_ms, verify_ms, step_ms, verify_tokens)

@@ -442,6 +442,7 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         return orchestrator_pb2.Usage(
             prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
             drafted_tokens=usage.drafted_tokens, accepted_tokens=usage.accepted_tokens,
+            rejected_tokens=usage.rejected_tokens,
             target_forward_passes=usage.target_forward_passes, wire_bytes=wire_bytes,
             draft_ms=usage.draft_ms, target_ms=usage.target_ms, prefill_ms=usage.prefill_ms,
             proposer=cast(common_pb2.Proposer, usage.proposer),

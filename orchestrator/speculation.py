@@ -45,6 +45,7 @@ class Usage:
     completion_tokens: int = 0
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+    rejected_tokens: int = 0  # tested and rejected: at most one per drafted block
     target_forward_passes: int = 0
     draft_ms: float = 0.0  # decode steps only
     target_ms: float = 0.0  # decode steps only
@@ -110,6 +111,7 @@ async def speculate(gen: Generation, proposer: Proposer | None, target: TargetSe
             uniforms = torch.rand(len(block.token_ids), generator=rng, dtype=torch.float64).tolist()
             accepted = sampling.num_accepted(scores.scored.target_probs, block.draft_probs, uniforms)
             new, drafted = sampling.commit(block.token_ids, scores.scored, accepted), len(block.token_ids)
+            usage.rejected_tokens += int(accepted < drafted)
 
         if proposer is not None:
             proposer.update_candidate_strategy(block, accepted, len(history))

@@ -20,7 +20,7 @@ FINISH_REASON_EOS: FinishReason
 FINISH_REASON_STOP_STRING: FinishReason
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "drafted_tokens", "accepted_tokens", "target_forward_passes", "wire_bytes", "draft_ms", "target_ms", "total_ms", "prefill_ms", "proposer")
+    __slots__ = ("prompt_tokens", "completion_tokens", "drafted_tokens", "accepted_tokens", "target_forward_passes", "wire_bytes", "draft_ms", "target_ms", "total_ms", "prefill_ms", "proposer", "rejected_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +32,7 @@ class Usage(_message.Message):
     TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     PROPOSER_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     drafted_tokens: int
@@ -43,7 +44,8 @@ class Usage(_message.Message):
     total_ms: float
     prefill_ms: float
     proposer: _common_pb2.Proposer
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., target_forward_passes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., draft_ms: _Optional[float] = ..., target_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., proposer: _Optional[_Union[_common_pb2.Proposer, str]] = ...) -> None: ...
+    rejected_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., target_forward_passes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., draft_ms: _Optional[float] = ..., target_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., proposer: _Optional[_Union[_common_pb2.Proposer, str]] = ..., rejected_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("prompt", "prompt_token_ids", "max_new_tokens", "sampling", "seed", "num_speculative_tokens", "stop_strings", "ignore_eos", "proposer")

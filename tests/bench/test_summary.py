@@ -58,14 +58,15 @@ def test_markdown_has_a_table_per_kind() -> None:
 
 
 def test_the_bound_uses_the_k_the_policy_drafted_not_the_configured_most() -> None:
-    # 8 tokens drafted over 4 decode passes (the first pass is the prefill): k = 2 per pass.
+    # 8 tokens drafted over 4 decode passes (the first pass is the prefill): k = 2 per pass;
+    # each pass accepted one and rejected the next.
     spec = Run(mode="tandem", setting="greedy", prompt="code/0", kind="code", tokens=10, wall_s=1.0,
                ttft_s=0.0, token_ids=list(range(10)), drafted=8, accepted=4, passes=5,
-               draft_ms=40.0, target_ms=400.0, total_ms=1000.0)
+               draft_ms=40.0, target_ms=400.0, total_ms=1000.0, rejected=4)
     row = summarize([*RUNS[:2], spec])["greedy"]["tandem"]
     assert row["k_mean"] == pytest.approx(2.0)
     assert row["alpha"] == pytest.approx(0.5)
-    c = (40.0 / 8) / (400.0 / 4)
+    c = (40.0 / 8) / (1800.0 / 10)  # against tandem-k0's one-token pass
     assert row["c"] == pytest.approx(c)
     assert row["leviathan_bound"] == pytest.approx((1 - 0.5 ** 3) / 0.5 / (2 * c + 1))
     assert row["fraction_of_bound"] == pytest.approx(row["decode_speedup_vs_tandem_k0"] / row["leviathan_bound"])
@@ -94,7 +95,7 @@ def test_best_bound_falls_to_plain_decoding_when_wide_passes_cost_linearly() -> 
 def test_summary_reports_the_best_bound_from_measured_verify_costs() -> None:
     spec = Run(mode="tandem", setting="greedy", prompt="code/0", kind="code", tokens=10, wall_s=1.0,
                ttft_s=0.0, token_ids=list(range(10)), drafted=8, accepted=4, passes=5,
-               draft_ms=40.0, target_ms=400.0, total_ms=1000.0)
+               draft_ms=40.0, target_ms=400.0, total_ms=1000.0, rejected=4)
     ratio = {1: 1.0, 2: 1.5, 3: 2.0}
     row = summarize([*RUNS[:2], spec], ratio)["greedy"]["tandem"]
     assert row["best_bound_measured_verify"] == pytest.approx(best_bound(0.5, row["c"], ratio))
@@ -106,3 +107,25 @@ def test_verify_ratio_is_measured_per_block_size_against_one_token(tmp_path: Pat
     ratio = measure_verify_ratio(model, list(range(2, 20)), range(1, 4), reps=2)
     assert list(ratio) == [1, 2, 3]
     assert ratio[1] == 1.0 and all(r > 0 for r in ratio.values())
+
+
+def test_alpha_is_per_tested_token_and_c_is_against_a_plain_pass() -> None:
+    """Found in review: alpha was accepted / drafted, which counts the drafts after a
+    rejection that were never tested; c divided by this mode's wide verify pass."""
+    # 5 decode passes of k=4 at a per-token acceptance of 0.8 (tokens 3.4 per pass): 12
+    # accepted, 3 rejections; drafting 24 ms per token; verify 900 ms per wide pass.
+    spec = Run(mode="tandem", setting="greedy", prompt="code/0", kind="code", tokens=18, wall_s=1.0,
+               ttft_s=0.0, token_ids=list(range(18)), drafted=20, accepted=12, passes=6,
+               draft_ms=480.0, target_ms=4500.0, total_ms=5000.0, rejected=3)
+    plain = Run(mode="tandem-k0", setting="greedy", prompt="code/0", kind="code", tokens=10, wall_s=2.0,
+                ttft_s=0.0, token_ids=list(range(10)), passes=11, target_ms=2400.0, total_ms=2400.0)
+    row = summarize([plain, spec])["greedy"]["tandem"]
+    assert row["alpha"] == pytest.approx(0.8)
+    assert row["c"] == pytest.approx(24.0 / 240.0)
+
+
+def test_a_zero_rate_baseline_does_not_lose_the_summary() -> None:
+    one = [Run(mode=m, setting="greedy", prompt="code/0", kind="code", tokens=1, wall_s=1.0, ttft_s=1.0,
+               token_ids=[1], passes=1) for m in ("hf-target", "tandem-k0")]
+    row = summarize(one)["greedy"]["tandem-k0"]
+    assert row["decode_speedup_vs_hf_target"] is None and row["speedup_vs_hf_target"] == 1.0

@@ -28,6 +28,9 @@ def test_greedy_output_equals_target_generate(tiny_stack: Stack, reference, prom
     assert 0 <= usage.accepted_tokens <= usage.drafted_tokens
     # Each target pass commits the accepted tokens plus one recovered or bonus token.
     assert usage.completion_tokens == usage.accepted_tokens + usage.target_forward_passes
+    # At most one rejection per pass; the drafts after it are never tested.
+    assert usage.rejected_tokens <= usage.target_forward_passes
+    assert usage.accepted_tokens + usage.rejected_tokens <= usage.drafted_tokens
 
 
 @pytest.mark.parametrize("k", [1, 4, 8])
@@ -214,6 +217,10 @@ def test_first_draft_token_rejected_every_step(tiny_dir: Path, tiny_target: Path
     assert list(reply.token_ids) == reference(PROMPTS[0], LENGTH)
     assert reply.usage.drafted_tokens > 0
     assert reply.usage.accepted_tokens < reply.usage.drafted_tokens / 4
+    # Nearly every block stops at a rejection: per tested token, acceptance stays low.
+    usage = reply.usage
+    assert usage.rejected_tokens > usage.target_forward_passes / 2
+    assert usage.accepted_tokens / (usage.accepted_tokens + usage.rejected_tokens) < 0.5
 
 
 # --- A draft identical to the target: every drafted token is accepted ---

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.policy import CostModel, Speculation, expected_tokens
+from orchestrator.policy import Acceptance, CostModel, Speculation, expected_tokens
 
 
 def measured(draft_ms: float, verify: dict[int, float], alpha: float) -> CostModel:
@@ -13,7 +13,7 @@ def measured(draft_ms: float, verify: dict[int, float], alpha: float) -> CostMod
     for size, ms in verify.items():
         costs.observe(0, 0, 0.0, ms, ms, size)
     costs.overhead_ms.value = 0.0
-    costs.alpha.value = alpha
+    costs.alpha = Acceptance(accepted=alpha, tested=1.0)
     return costs
 
 
@@ -67,7 +67,7 @@ def test_adaptive_measures_a_plain_step_when_only_blocks_were_measured() -> None
     # Found by the benchmark: a deployment whose requests always drafted never learned what a
     # one-token pass costs, and kept drafting k_max blocks that cost 4x a plain step.
     costs = CostModel()
-    costs.draft_ms_per_token.value, costs.alpha.value = 80.0, 0.5
+    costs.draft_ms_per_token.value, costs.alpha = 80.0, Acceptance(accepted=0.5, tested=1.0)
     costs.observe(4, 2, 320.0, 900.0, 1220.0, 5)
     policy = Speculation("adaptive", 4, costs)
     assert policy.choose(remaining=100) == 0  # measure the one-token pass first
@@ -84,3 +84,27 @@ def test_every_proposer_shares_the_targets_verify_costs() -> None:
     draft, lookup = service.costs[2], service.costs[3]
     assert draft.verify_ms is lookup.verify_ms and draft.overhead_ms is lookup.overhead_ms
     assert draft.alpha is not lookup.alpha and draft.draft_ms_per_token is not lookup.draft_ms_per_token
+
+
+# Steps of k=4 in the exact proportions of a per-token acceptance of 0.8: j accepted, then a
+# rejection, with probability 0.8^j * 0.2 (j < 4); all 4 accepted with probability 0.8^4.
+ALPHA_08_STEPS = [(0, 2000), (1, 1600), (2, 1280), (3, 1024), (4, 4096)]
+
+
+def test_alpha_counts_only_the_drafted_tokens_that_were_tested() -> None:
+    """Found in review: accepted / drafted reads 0.6 here, since a block stops at its first
+    rejection and the drafts after it are never tested."""
+    policy = Speculation("adaptive", 4, CostModel(), prior_weight=0.0)
+    for accepted, times in ALPHA_08_STEPS:
+        for _ in range(times):
+            policy.observe(4, accepted, 40.0, 100.0, 140.0, 5)
+    assert policy.alpha() == pytest.approx(0.8)
+
+
+def test_the_deployment_acceptance_is_a_ratio_of_running_sums() -> None:
+    rate = Acceptance(weight=0.5)
+    assert rate.value is None
+    rate.add(4, 4)
+    assert rate.value == 1.0
+    rate.add(0, 1)
+    assert rate.value == pytest.approx(2.0 / 2.5)
