@@ -71,12 +71,16 @@ class KVSession:
     def length(self) -> int:
         return int(self.cache.get_seq_length())
 
-    def check_position(self, cache_position: int) -> None:
-        """That a step may roll back to `cache_position`: the cache is there and holds it."""
+    def check_alive(self) -> None:
+        """That the session's cache was not evicted (an evicted session is over)."""
         if self.evicted:
             raise SessionEvicted(
                 f"session {self.session_id}'s KV cache was evicted to make room for other "
                 "sessions (--kv-budget-tokens); open a new session and resend the history")
+
+    def check_position(self, cache_position: int) -> None:
+        """That a step may roll back to `cache_position`: the cache is there and holds it."""
+        self.check_alive()
         if cache_position > self.length:
             raise CacheMismatch(
                 f"cache_position {cache_position} is beyond the session's cache length "
@@ -192,7 +196,7 @@ class SessionTable:
         Nothing is evicted for a step that is refused: for an evicted session, or when
         evicting every idle session would still not make room.
         """
-        session.check_position(0)  # an evicted session is over: it must not claim room
+        session.check_alive()  # an evicted session must not claim room
         self._clock += 1
         session.last_used = self._clock
         budget = self.kv_budget_tokens
