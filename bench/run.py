@@ -74,6 +74,7 @@ class Run:
     wire_bytes: int = 0
     prefill_ms: float = 0.0
     rejected: int = 0  # drafted tokens tested and rejected (at most one per pass)
+    first_tokens: int = 1  # tokens that arrived at TTFT (HF assisted: a whole first step)
 
     @property
     def tok_s(self) -> float:
@@ -81,8 +82,8 @@ class Run:
 
     @property
     def decode_tok_s(self) -> float:
-        """Tokens after the first, per second after the first: prefill excluded."""
-        return (self.tokens - 1) / max(1e-9, self.wall_s - self.ttft_s)
+        """Tokens after the first arrival, per second after it: prefill excluded."""
+        return (self.tokens - self.first_tokens) / max(1e-9, self.wall_s - self.ttft_s)
 
     @property
     def decode_passes(self) -> int:
@@ -95,18 +96,20 @@ class FirstTokenTimer:
     def __init__(self) -> None:
         self.calls = 0
         self.first: float | None = None
+        self.first_tokens = 1
 
     def put(self, value: Any) -> None:
         self.calls += 1
         if self.calls == 2 and self.first is None:  # the first put() is the prompt
             self.first = time.perf_counter()
+            self.first_tokens = int(value.numel())  # assisted generation puts a whole step
 
     def end(self) -> None:
         pass
 
 
 def hf_run(mode: str, target: Any, assistant: Any, ids: list[int], setting: Setting, n: int,
-           seed: int) -> tuple[list[int], float, float]:
+           seed: int) -> tuple[list[int], float, float, int]:
     from transformers import GenerationConfig
 
     config = GenerationConfig(  # type: ignore[no-untyped-call]
@@ -119,13 +122,31 @@ def hf_run(mode: str, target: Any, assistant: Any, ids: list[int], setting: Sett
         out = target.generate(torch.tensor([ids]), generation_config=config, streamer=timer,
                               assistant_model=assistant)
     wall = time.perf_counter() - started
-    return out[0, len(ids):].tolist(), wall, (timer.first or started + wall) - started
+    return out[0, len(ids):].tolist(), wall, (timer.first or started + wall) - started, timer.first_tokens
+
+
+def neutral_generation_defaults(model: Any) -> None:
+    """Make generate() do what Tandem does: exactly the tokens asked for (no EOS stop), and no
+    logits processing a hub model's generation_config may carry (unset fields of the
+    GenerationConfig passed to generate() are filled from it)."""
+    config = model.generation_config
+    config.eos_token_id = None
+    config.repetition_penalty = 1.0
+    config.no_repeat_ngram_size = 0
+    config.encoder_no_repeat_ngram_size = 0
+    config.bad_words_ids = None
+    config.suppress_tokens = None
+    config.begin_suppress_tokens = None
+    config.min_p = None
+    config.typical_p = 1.0
+    config.epsilon_cutoff = 0.0
+    config.eta_cutoff = 0.0
 
 
 def tandem_run(client: Any, ids: list[int], setting: Setting, n: int, seed: int, k: int | None,
-               proposer: str | None = None) -> tuple[list[int], float, float, Any]:
+               proposer: str | None = None) -> tuple[list[int], float, float, int, Any]:
     started = time.perf_counter()
-    first = None
+    first, first_tokens = None, 1
     token_ids: list[int] = []
     summary = None
     for message in client.generate_stream(ids, max_new_tokens=n, temperature=setting.temperature,
@@ -133,13 +154,13 @@ def tandem_run(client: Any, ids: list[int], setting: Setting, n: int, seed: int,
                                           proposer=proposer):
         if message.HasField("delta"):
             if first is None:
-                first = time.perf_counter()
+                first, first_tokens = time.perf_counter(), len(message.delta.token_ids)
             token_ids.extend(message.delta.token_ids)
         else:
             summary = message.summary
     wall = time.perf_counter() - started
     assert summary is not None, "the stream ended without a summary"
-    return token_ids, wall, (first or started) - started, summary.usage
+    return token_ids, wall, (first or started) - started, first_tokens, summary.usage
 
 
 def peak_rss_mb(pid: int | str = "self") -> float:
@@ -452,8 +473,8 @@ def main(argv: list[str] | None = None) -> None:
             hf["draft"] = AutoModelForCausalLM.from_pretrained(draft_path, dtype=dtype).to(args.device).eval()
         if "hf-assisted-cheap" in modes:
             hf["cheap"] = models.load_model(args.draft, cheap)
-        for model in hf.values():  # run exactly n tokens in every mode, like ignore_eos
-            model.generation_config.eos_token_id = None
+        for model in hf.values():
+            neutral_generation_defaults(model)
         for p in procs.values():
             wait_serving(p)
         clients = {name: TandemClient(p.address) for name, p in procs.items() if name.startswith("orchestrator")}
@@ -511,15 +532,15 @@ def _one(mode: str, hf: dict[str, Any], clients: dict[str, Any], ids: list[int],
     name, kind = (prompt.id, prompt.kind) if prompt else ("warmup", "warmup")
     if mode in HF_MODES:
         assistant = {"hf-target": None, "hf-assisted": hf.get("draft"), "hf-assisted-cheap": hf.get("cheap")}[mode]
-        tokens, wall, ttft = hf_run(mode, hf["target"], assistant, ids, setting, n, seed)
-        return Run(mode, setting.name, name, kind, len(tokens), wall, ttft, tokens)
+        tokens, wall, ttft, first = hf_run(mode, hf["target"], assistant, ids, setting, n, seed)
+        return Run(mode, setting.name, name, kind, len(tokens), wall, ttft, tokens, first_tokens=first)
     client = clients["orchestrator(plain)" if mode == "tandem-plain-draft" else "orchestrator(cheap)"]
     proposer = MODE_PROPOSERS.get(mode)
-    tokens, wall, ttft, usage = tandem_run(client, ids, setting, n, seed, 0 if mode == "tandem-k0" else k,
-                                           proposer)
+    tokens, wall, ttft, first, usage = tandem_run(client, ids, setting, n, seed,
+                                                  0 if mode == "tandem-k0" else k, proposer)
     return Run(mode, setting.name, name, kind, len(tokens), wall, ttft, tokens, usage.drafted_tokens,
                usage.accepted_tokens, usage.target_forward_passes, usage.draft_ms, usage.target_ms,
-               usage.total_ms, usage.wire_bytes, usage.prefill_ms, usage.rejected_tokens)
+               usage.total_ms, usage.wire_bytes, usage.prefill_ms, usage.rejected_tokens, first)
 
 
 if __name__ == "__main__":

@@ -129,3 +129,26 @@ def test_a_zero_rate_baseline_does_not_lose_the_summary() -> None:
                token_ids=[1], passes=1) for m in ("hf-target", "tandem-k0")]
     row = summarize(one)["greedy"]["tandem-k0"]
     assert row["decode_speedup_vs_hf_target"] is None and row["speedup_vs_hf_target"] == 1.0
+
+
+def test_decode_rate_excludes_every_token_that_arrived_at_ttft() -> None:
+    # HF assisted generation delivers its whole first step (here 4 tokens) at TTFT.
+    run = Run(mode="hf-assisted", setting="greedy", prompt="code/0", kind="code", tokens=10, wall_s=4.0,
+              ttft_s=1.0, token_ids=list(range(10)), first_tokens=4)
+    assert run.decode_tok_s == pytest.approx(6 / 3.0)
+
+
+def test_hf_runs_note_how_many_tokens_came_first_and_ignore_model_generation_defaults(tmp_path: Path) -> None:
+    """Found in review: the first streamer put of assisted generation is a whole speculative
+    step, and a model's own generation_config (say a repetition penalty) leaked into the HF
+    modes, which Tandem does not apply."""
+    from bench.run import SETTINGS, hf_run, neutral_generation_defaults
+
+    target = AutoModelForCausalLM.from_pretrained(make_model(tmp_path / "t", seed=0)).eval()
+    ids, greedy = [3, 4, 5], SETTINGS[0]
+    plain, _, _, _ = hf_run("hf-target", target, None, ids, greedy, 12, seed=0)
+    target.generation_config.repetition_penalty = 5.0  # what a hub config may carry
+    neutral_generation_defaults(target)
+    assert hf_run("hf-target", target, None, ids, greedy, 12, seed=0)[0] == plain
+    _, _, _, first = hf_run("hf-assisted", target, target, ids, greedy, 12, seed=0)
+    assert first > 1  # the assistant is the target itself: its whole first block is accepted
