@@ -130,9 +130,9 @@ async def speculate(gen: Generation, proposer: Proposer | None, target: TargetSe
         history += new
         usage.completion_tokens += len(new)
         usage.drafted_tokens += drafted
-        usage.accepted_tokens += min(accepted, len(new))  # a tree's path may pass the end
+        accepted = min(accepted, len(new))  # a tree's path may pass the end
+        usage.accepted_tokens += accepted
         usage.target_forward_passes += 1
-        yield Step(new, finished_by_eos=eos_at is not None and eos_at < len(new),
-                   accepted=min(accepted, len(new)))
+        yield Step(new, finished_by_eos=eos_at is not None and eos_at < len(new), accepted=accepted)
         if eos_at is not None and eos_at < len(new):
             return

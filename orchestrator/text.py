@@ -33,19 +33,22 @@ class TextStream:
         self._decode = decoder(tokenizer)
         self.stop_strings = stop_strings
         self.holdback = max((len(s) for s in stop_strings), default=1) - 1
-        self.token_ids: list[int] = []  # generated, through the one that completed a stop string
         self.text = ""  # decoded so far (excluding anything after a stop string)
         self.emitted = 0  # characters of self.text already returned
         self.stopped = False
         # The decode window: prompt context, then generated tokens; text past _read_offset is
         # not in self.text yet (it ends in an incomplete character).
         self._ids = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
-        self._prefix_offset = 0
-        self._read_offset = len(self._ids)
+        self._context = len(self._ids)  # where the generated tokens start
+        self._prefix_offset, self._read_offset = 0, self._context
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The generated tokens, through the one that completed a stop string."""
+        return self._ids[self._context:]
 
     def add(self, token_id: int) -> None:
         """Append one token; sets `stopped` (and trims text) if a stop string completes."""
-        self.token_ids.append(token_id)
         self._ids.append(token_id)
         new = self._pending()
         if new.endswith("\ufffd"):

@@ -207,12 +207,14 @@ class SessionTable:
             raise ResourceExhausted(
                 f"this step needs {tokens} cached tokens but the replica's KV budget is {budget} "
                 "(--kv-budget-tokens); shorten the prompt or max_new_tokens")
+        def claim(s: KVSession) -> int:
+            return max(s.reserved, s.length)
+
         with self._lock:
             others = [s for s in self._sessions.values() if s is not session]
-            claimed = max(tokens, session.length) + sum(max(s.reserved, s.length) for s in others)
-            idle = sorted((s for s in others if not s.busy and max(s.reserved, s.length)),
-                          key=lambda s: s.last_used)
-            if claimed - sum(max(s.reserved, s.length) for s in idle) > budget:
+            claimed = max(tokens, session.length) + sum(map(claim, others))
+            idle = sorted((s for s in others if not s.busy and claim(s)), key=lambda s: s.last_used)
+            if claimed - sum(map(claim, idle)) > budget:
                 raise ResourceExhausted(
                     f"the replica's KV budget ({budget} tokens, --kv-budget-tokens) is held by the "
                     "step running now; retry, or add replicas")
@@ -220,7 +222,7 @@ class SessionTable:
             for victim in idle:
                 if claimed <= budget:
                     break
-                claimed -= max(victim.reserved, victim.length)
+                claimed -= claim(victim)
                 victim.evict()
                 victim.reserved = 0
 
