@@ -158,6 +158,12 @@ async def serve(services: list[Service], label: str, host: str, port: int,
     free port; negative: no metrics endpoint). tls, auth_token, health_port,
     max_message_bytes: as in start_server.
     """
+    # Handle SIGTERM before the port is announced: whoever reads "listening on" (`tandem up`,
+    # the tests, a kubelet) may signal at once, and the default action kills without a drain.
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
     running = await start_server(services, host, port, tls=tls, auth_token=auth_token,
                                  health_port=health_port, max_message_bytes=max_message_bytes)
     security = ("plaintext" if tls is None else "mutual TLS" if tls.mutual else "TLS") + \
@@ -171,7 +177,7 @@ async def serve(services: list[Service], label: str, host: str, port: int,
     if exporter is not None:
         print(f"tandem {label} metrics on http://{host}:{exporter.port}/metrics", flush=True)
     try:
-        await _run_until_signal(services, label, host, running, grace_s)
+        await _run_until_signal(services, label, host, running, grace_s, stop)
     finally:
         if exporter is not None:
             exporter.stop()
@@ -208,11 +214,7 @@ def _on_daemon_thread(fn: Callable[[], Any]) -> asyncio.Future[Any]:
 
 
 async def _run_until_signal(services: list[Service], label: str, host: str,
-                            running: RunningServer, grace_s: float) -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+                            running: RunningServer, grace_s: float, stop: asyncio.Event) -> None:
     load: asyncio.Future[Any] = asyncio.gather(*(_on_daemon_thread(s.load) for s in services))
     waiter = asyncio.ensure_future(stop.wait())
     await asyncio.wait([load, waiter], return_when=asyncio.FIRST_COMPLETED)

@@ -50,3 +50,36 @@ def test_sigterm_while_loading_stops_the_process_without_waiting_for_the_load() 
     process = spawn(["orchestrator", "--target", "127.0.0.1:1", "--replica-wait-s", "600"])
     process.proc.send_signal(signal.SIGTERM)
     assert process.proc.wait(timeout=60) == 0, "".join(process.lines)
+
+
+def test_sigterm_is_handled_from_the_moment_the_port_is_announced(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """`tandem up`, the tests and a kubelet may signal as soon as "listening on" is printed;
+    a SIGTERM then must drain the server, not kill the process with the default action."""
+    import io
+    import sys
+
+    handlers_when_announced: list[object] = []
+
+    class Watch(io.StringIO):
+        def write(self, text: str) -> int:
+            if "listening on" in text:
+                handlers_when_announced.append(signal.getsignal(signal.SIGTERM))
+            return super().write(text)
+
+    monkeypatch.setattr(sys, "stdout", Watch())
+
+    async def scenario() -> None:
+        service = SlowService()
+        task = asyncio.create_task(server.serve([service], "test", "127.0.0.1", 0, grace_s=1))
+        while not handlers_when_announced:
+            await asyncio.sleep(0.01)
+        service.release.set()
+        os.kill(os.getpid(), signal.SIGTERM)
+        await asyncio.wait_for(task, timeout=10)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+
+    default = signal.getsignal(signal.SIGTERM)
+    asyncio.run(scenario())
+    assert handlers_when_announced[0] is not default, "SIGTERM still had its default action"
