@@ -213,19 +213,21 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--json", action="store_true", help="print one JSON object at the end")
     env = os.environ.get
+    # TANDEM_CLIENT_TLS_*, not the services' TANDEM_TLS_*: in a shell or pod set up to serve
+    # TLS those name the server's own certificate, which a client must not present.
     gen.add_argument("--tls", action=argparse.BooleanOptionalAction,
-                     default=env("TANDEM_TLS", "").lower() in ("1", "true", "yes", "on"),
+                     default=env("TANDEM_CLIENT_TLS", "").lower() in ("1", "true", "yes", "on"),
                      help="connect over TLS, trusting the system's roots unless --tls-ca "
-                          "[env TANDEM_TLS]; any --tls-* path implies it")
-    gen.add_argument("--tls-ca", default=env("TANDEM_TLS_CA", ""),
-                     help="PEM CA bundle to verify the orchestrator with [env TANDEM_TLS_CA]")
-    gen.add_argument("--tls-cert", default=env("TANDEM_TLS_CERT", ""),
-                     help="PEM client certificate, for mutual TLS [env TANDEM_TLS_CERT]")
-    gen.add_argument("--tls-key", default=env("TANDEM_TLS_KEY", ""),
-                     help="PEM private key of --tls-cert [env TANDEM_TLS_KEY]")
-    gen.add_argument("--tls-server-name", default=env("TANDEM_TLS_SERVER_NAME", ""),
+                          "[env TANDEM_CLIENT_TLS]; any --tls-* value implies it")
+    gen.add_argument("--tls-ca", default=env("TANDEM_CLIENT_TLS_CA", ""),
+                     help="PEM CA bundle to verify the orchestrator with [env TANDEM_CLIENT_TLS_CA]")
+    gen.add_argument("--tls-cert", default=env("TANDEM_CLIENT_TLS_CERT", ""),
+                     help="PEM client certificate, for mutual TLS [env TANDEM_CLIENT_TLS_CERT]")
+    gen.add_argument("--tls-key", default=env("TANDEM_CLIENT_TLS_KEY", ""),
+                     help="PEM private key of --tls-cert [env TANDEM_CLIENT_TLS_KEY]")
+    gen.add_argument("--tls-server-name", default=env("TANDEM_CLIENT_TLS_SERVER_NAME", ""),
                      help="name to verify the certificate against, when the address is not it "
-                          "(e.g. through port-forward) [env TANDEM_TLS_SERVER_NAME]")
+                          "(e.g. through port-forward) [env TANDEM_CLIENT_TLS_SERVER_NAME]")
     gen.add_argument("--auth-token-file", default=env("TANDEM_AUTH_TOKEN_FILE", ""),
                      help="file holding the orchestrator's bearer token [env "
                           "TANDEM_AUTH_TOKEN_FILE; or the token itself in TANDEM_AUTH_TOKEN]")

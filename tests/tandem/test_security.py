@@ -105,6 +105,32 @@ def test_tandem_generate_with_tls_and_token(secure_stack: Stack, pki: Pki, refer
     assert json.loads(result.stdout)["token_ids"] == reference(PROMPT, LENGTH)
 
 
+def _tandem_generate(address: str, env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    import os
+
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
+    return subprocess.run(
+        [sys.executable, "-m", "tandem.cli", "generate", PROMPT, "--address", address, "--json",
+         "--max-new-tokens", str(LENGTH), "--ignore-eos", *args],
+        capture_output=True, text=True, timeout=120, check=False, env={**clean, **env})
+
+
+def test_tandem_generate_reads_its_own_client_tls_environment(secure_stack: Stack, pki: Pki, reference) -> None:  # type: ignore[no-untyped-def]
+    result = _tandem_generate(secure_stack.address, {
+        "TANDEM_CLIENT_TLS_CA": str(pki.ca.path), "TANDEM_AUTH_TOKEN_FILE": str(pki.token_file)})
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["token_ids"] == reference(PROMPT, LENGTH)
+
+
+def test_tandem_generate_ignores_the_services_tls_environment(tiny_stack: Stack, pki: Pki, reference) -> None:  # type: ignore[no-untyped-def]
+    """A shell (or pod) set up to serve TLS has TANDEM_TLS_CERT/KEY: the server's own pair.
+    `tandem generate` there must not present it as a client certificate, nor turn on TLS."""
+    result = _tandem_generate(tiny_stack.address, {"TANDEM_TLS_CERT": str(pki.server.cert),
+                                                   "TANDEM_TLS_KEY": str(pki.server.key)})
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["token_ids"] == reference(PROMPT, LENGTH)
+
+
 # --- bearer token -----------------------------------------------------------------------
 
 @pytest.mark.parametrize("token, message", [(None, "missing bearer token"),
