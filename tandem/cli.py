@@ -100,17 +100,25 @@ def _up(args: argparse.Namespace) -> None:
         models.resolve(ref)
     print(f"starting draft {args.draft} ({args.draft_dtype}) and target {args.target} "
           f"({args.target_dtype}); loading models...", flush=True)
-    stack = start_stack(args.draft, args.target, draft_dtype=args.draft_dtype,
-                        target_dtype=args.target_dtype, threads=0, port=args.port, host=args.host,
-                        draft_args=["--quantize", args.draft_quantize] if args.draft_quantize else [])
+    # From here on SIGTERM (kill, docker stop, systemd) unwinds like Ctrl-C, so whatever has
+    # started is stopped, even while the models still load.
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        stack = start_stack(args.draft, args.target, draft_dtype=args.draft_dtype,
+                            target_dtype=args.target_dtype, threads=0, port=args.port, host=args.host,
+                            draft_args=["--quantize", args.draft_quantize] if args.draft_quantize else [])
+    except KeyboardInterrupt:
+        sys.exit(130)
     print(f"Tandem is ready: orchestrator listening on {stack.address}\n"
           f"  try: tandem generate --address {stack.address} \"def fibonacci(n):\"", flush=True)
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     processes = [stack.orchestrator, *stack.drafts, *stack.targets]
     try:
         while all(p.proc.poll() is None for p in processes):
             time.sleep(1.0)
-        print("a service exited; stopping the others", file=sys.stderr)
+        died = next(p for p in processes if p.proc.poll() is not None)
+        print(f"a service exited ({died.address}, code {died.proc.returncode}); stopping the others",
+              file=sys.stderr)
+        sys.exit(1)
     except KeyboardInterrupt:
         pass
     finally:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any, Self
 
 from tandem.security import ClientTls, bearer_metadata, channel
@@ -60,12 +59,13 @@ class TandemClient:
                         temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                         seed: int | None = None, num_speculative_tokens: int | None = None,
                         stop: list[str] | None = None, ignore_eos: bool = False,
-                        proposer: str | None = None, timeout: float | None = None) -> Iterator[orchestrator_pb2.GenerateResponse]:
-        """Stream deltas, then one summary message."""
+                        proposer: str | None = None, timeout: float | None = None) -> GenerationStream:
+        """Stream deltas, then one summary message. Stop early with `cancel()` or by leaving a
+        `with` block: that frees the request's sessions and caches at once."""
         request = orchestrator_pb2.GenerateRequest(**self._fields(
             prompt, max_new_tokens, temperature, top_p, top_k, seed, num_speculative_tokens, stop,
             ignore_eos, proposer))
-        yield from self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
+        return GenerationStream(self._stub.Generate(request, timeout=timeout, metadata=self._metadata))
 
     def generate(self, prompt: str | list[int], *, max_new_tokens: int = 256,
                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
@@ -79,3 +79,27 @@ class TandemClient:
         reply: orchestrator_pb2.GenerateUnaryResponse = self._stub.GenerateUnary(
             request, timeout=timeout, metadata=self._metadata)
         return reply
+
+
+class GenerationStream:
+    """The messages of one Generate call. A `break` alone does not end the call while the
+    stream is still referenced: `cancel()` does, and so does leaving a `with` block."""
+
+    def __init__(self, call: Any) -> None:
+        self._call = call
+
+    def __iter__(self) -> Self:
+        return self
+
+    def __next__(self) -> orchestrator_pb2.GenerateResponse:
+        message: orchestrator_pb2.GenerateResponse = next(self._call)
+        return message
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.cancel()

@@ -68,13 +68,18 @@ def spawn(argv: Sequence[str], env: dict[str, str] | None = None, port: int = 0,
     )
     assert proc.stdout is not None
     lines: list[str] = []
-    for line in proc.stdout:
-        lines.append(line)
-        if " listening on " in line:
-            process = Process(proc, line.rsplit(" ", 1)[1].strip(), lines)
-            # Keep reading so the child never blocks on a full pipe; keep the log for failures.
-            threading.Thread(target=lambda: lines.extend(proc.stdout or []), daemon=True).start()
-            return process
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if " listening on " in line:
+                process = Process(proc, line.rsplit(" ", 1)[1].strip(), lines)
+                # Keep reading so the child never blocks on a full pipe; keep the log for failures.
+                threading.Thread(target=lambda: lines.extend(proc.stdout or []), daemon=True).start()
+                return process
+    except BaseException:  # interrupted before it announced itself: it is nobody's to stop
+        proc.kill()
+        proc.wait()
+        raise
     raise RuntimeError(f"tandem {argv[0]} exited with {proc.wait()}:\n{''.join(lines)}")
 
 
@@ -129,18 +134,24 @@ def start_stack(draft_model: str | None, target_model: str, *, num_drafts: int =
     and a client certificate where mutual TLS is on); `token` is what `Stack.client()` sends.
     """
     common = ["--threads", str(threads)]
-    drafts = [spawn(["draft-service", "--model", draft_model, "--dtype", draft_dtype, *common, *draft_args])
-              for _ in range(num_drafts)] if draft_model else []
-    targets = [spawn(["target-service", "--model", target_model, "--dtype", target_dtype, *common, *target_args])
-               for _ in range(num_targets)]
-    orch = spawn(["orchestrator", "--draft", ",".join(p.address for p in drafts),
-                  "--target", ",".join(p.address for p in targets), "--tokenizer", target_model,
-                  *orchestrator_args], port=port, host=host)
+    started: list[Process] = []  # stopped if anything fails, a signal included
+
+    def start(argv: list[str], **where: object) -> Process:
+        started.append(spawn(argv, **where))  # type: ignore[arg-type]
+        return started[-1]
+
     try:
-        for p in (*drafts, *targets, orch):
+        drafts = [start(["draft-service", "--model", draft_model, "--dtype", draft_dtype, *common,
+                         *draft_args]) for _ in range(num_drafts)] if draft_model else []
+        targets = [start(["target-service", "--model", target_model, "--dtype", target_dtype, *common,
+                          *target_args]) for _ in range(num_targets)]
+        orch = start(["orchestrator", "--draft", ",".join(p.address for p in drafts),
+                      "--target", ",".join(p.address for p in targets), "--tokenizer", target_model,
+                      *orchestrator_args], port=port, host=host)
+        for p in started:
             wait_serving(p, tls=tls)
     except BaseException:
-        for p in (orch, *drafts, *targets):
+        for p in reversed(started):
             p.stop()
         raise
     return Stack(drafts, targets, orch, tls, token)

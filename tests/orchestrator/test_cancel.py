@@ -91,3 +91,24 @@ def test_a_client_that_dies_mid_stream_frees_its_sessions(tiny_stack: Stack) -> 
     assert state["target tandem_sessions_total"] >= baseline["target tandem_sessions_total"] + 3
     with tiny_stack.client() as client:
         assert client.generate("hello", max_new_tokens=3).usage.completion_tokens == 3
+
+
+def test_client_streams_can_be_cancelled_and_end_with_their_with_block(tiny_stack: Stack) -> None:
+    """A TandemClient user who stops reading (a `break`) while holding the stream must be able
+    to end it: `cancel()`, or leaving a `with` block. Otherwise the request keeps its
+    sessions and KV caches until the iterator happens to be garbage-collected."""
+    baseline = replica_state(tiny_stack)
+    with tiny_stack.client() as client:
+        stream = client.generate_stream("hello", max_new_tokens=480, ignore_eos=True,
+                                        num_speculative_tokens=4, timeout=120)
+        assert next(stream).HasField("delta")
+        stream.cancel()
+        wait_for_baseline(tiny_stack, baseline)
+        with client.generate_stream("x = 1", max_new_tokens=480, ignore_eos=True,
+                                    num_speculative_tokens=4, timeout=120) as held:
+            for message in held:
+                assert message.HasField("delta")
+                break
+        wait_for_baseline(tiny_stack, baseline)
+        del stream, held  # only now: the streams above were ended while still referenced
+        assert client.generate("a", max_new_tokens=2).usage.completion_tokens == 2
