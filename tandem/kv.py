@@ -145,9 +145,10 @@ class KVSession:
         out = model(input_ids=torch.tensor([[*token_ids, *segment.token_ids]], device=device),
                     attention_mask=mask[None, None].to(device),
                     position_ids=torch.tensor([positions], device=device),
-                    cache=self.cache, use_cache=True, output_hidden_states=with_hidden)
+                    cache=self.cache, use_cache=True, output_hidden_states=with_hidden,
+                    logits_to_keep=t + 1)
         self.rollback(cached + n)
-        logits: torch.Tensor = out.logits[0, n - 1:].float().cpu()
+        logits: torch.Tensor = out.logits[0].float().cpu()
         hidden = out.hidden_states[-1][0, n - 1:].float().cpu() if with_hidden else None
         return logits, hidden
 

@@ -37,6 +37,22 @@ def test_tree_segment_scores_each_branch_as_if_alone(tiny_target: Path, attn: st
     torch.testing.assert_close(next_logits, last_logits(model, history + [13]), atol=1e-4, rtol=1e-4)
 
 
+def test_a_segment_after_a_long_history_projects_only_the_rows_it_returns(model) -> None:  # type: ignore[no-untyped-def]
+    """A target proposer's prefill appends the whole prompt: the vocabulary projection must
+    cover the 1 + t rows returned, not every prompt token ([n + t, vocab] floats that no KV
+    budget counts; 5 GB for an 8k prompt with Qwen2.5's vocabulary)."""
+    rows: list[int] = []
+    hook = model.get_output_embeddings().register_forward_hook(
+        lambda _module, args, _out: rows.append(args[0].shape[1]))
+    try:
+        session = KVSession("s", vocab_size=40)
+        logits, _ = session.forward_segment(model, list(range(3, 35)), tree_segment((5, 6), (-1, 0)))
+    finally:
+        hook.remove()
+    assert logits.shape[0] == 3
+    assert rows == [3]
+
+
 def test_rollback_beyond_the_cache_is_refused(model) -> None:  # type: ignore[no-untyped-def]
     from tandem.errors import CacheMismatch
 
