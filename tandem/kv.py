@@ -136,6 +136,11 @@ class KVSession:
         device = model.get_input_embeddings().weight.device
         dtype = model.get_input_embeddings().weight.dtype
         cached, n, t = self.length, len(token_ids), len(segment.token_ids)
+        if t == 0:  # the model's own mask and positions (a sliding window's among them)
+            out = model(input_ids=torch.tensor([token_ids], device=device), cache=self.cache,
+                        use_cache=True, output_hidden_states=with_hidden, logits_to_keep=1)
+            hidden = out.hidden_states[-1][0, n - 1:].float().cpu() if with_hidden else None
+            return out.logits[0].float().cpu(), hidden
         history = torch.ones(n + t, cached + n, dtype=torch.bool).tril(cached)
         visible = torch.zeros(n + t, t, dtype=torch.bool)
         visible[n:] = segment.visible

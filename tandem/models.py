@@ -12,6 +12,7 @@ import hashlib
 import importlib
 import json
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -249,7 +250,41 @@ def logits_width(model: CausalLM) -> int:
 
 
 def max_context_tokens(model: CausalLM) -> int:
-    return int(getattr(model.config, "max_position_embeddings", 0) or 0)
+    """Positions the model serves exactly in passes of any width (0: unknown, unbounded).
+
+    Past a longrope model's original context, a pass takes its rotary frequencies from its
+    last position, for every token in it: a pass of several tokens then differs from decoding
+    them one at a time, so speculation could not be exact there. The context served stops at
+    the original one. (Dynamic NTK rescales only past max_position_embeddings.)
+    """
+    config = model.config.get_text_config()
+    limit = int(getattr(config, "max_position_embeddings", 0) or 0)
+    rope = getattr(config, "rope_parameters", None) or {}
+    per_layer_type = [v for v in rope.values() if isinstance(v, dict)] if isinstance(rope, dict) else []
+    for parameters in per_layer_type or [rope]:
+        if parameters.get("rope_type") == "longrope":
+            original = int(parameters.get("original_max_position_embeddings")
+                           or getattr(config, "original_max_position_embeddings", 0) or 0)
+            limit = min(limit, original) if limit and original else limit or original
+    return limit
+
+
+def exact_positions(model: CausalLM) -> float:
+    """How far a pass with a hand-built full causal mask (a proposer's segment) matches the
+    model's own: inside the positions it serves exactly, and inside its sliding window."""
+    limits = [max_context_tokens(model) or math.inf, sliding_window(model) or math.inf]
+    return min(limits)
+
+
+def sliding_window(model: CausalLM) -> int | None:
+    """The attention window of the model's sliding-window layers, if it has any."""
+    config = model.config.get_text_config()
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if not window or (layer_types is not None and "sliding_attention" not in layer_types) \
+            or getattr(config, "use_sliding_window", True) is False:
+        return None
+    return int(window)
 
 
 def kv_bytes_per_token(model: CausalLM) -> int:

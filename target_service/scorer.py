@@ -6,11 +6,11 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem import sampling
+from tandem import models, sampling
 from tandem.kv import KVSession
 from tandem.model_service import Step
 from tandem.models import CausalLM
-from target_service.proposers import TargetProposer
+from target_service.proposers import NO_CANDIDATES, TargetProposer
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,11 @@ def propose_and_verify(
     positions); the committed ones come back as the next step's new tokens.
     """
     session.rollback(step.cache_position)
-    candidates = proposer.get_candidates(session, step.new_token_ids)
+    # The segment's hand-built mask and positions match the model's own pass only inside the
+    # positions it serves exactly and inside a sliding window; past them, a plain step.
+    reach = step.cache_position + len(step.new_token_ids) + proposer.max_segment_tokens
+    proposing = reach <= models.exact_positions(model)
+    candidates = proposer.get_candidates(session, step.new_token_ids) if proposing else NO_CANDIDATES
     logits, hidden = session.forward_segment(model, step.new_token_ids, candidates.segment,
                                              proposer.with_hidden)
     rows = [0, *(1 + i for i in candidates.tree_nodes)]
@@ -71,6 +75,7 @@ def propose_and_verify(
     generator = torch.Generator().manual_seed(seed)
     verdict = sampling.verify_tree(probs, candidates.tree_token_ids, candidates.tree_parents,
                                    generator)
-    proposer.update_candidate_strategy(session, candidates, logits, hidden, verdict)
+    if proposing:
+        proposer.update_candidate_strategy(session, candidates, logits, hidden, verdict)
     path = tuple(candidates.tree_token_ids[i] for i in verdict.accepted_nodes)
     return VerifiedStep((*path, verdict.next_token_id), len(candidates.tree_nodes), session.length)
