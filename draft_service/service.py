@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from draft_service.proposer import propose_block
-from tandem.config import MAX_BLOCK_TOKENS
+from tandem.config import MAX_BLOCK_TOKENS, MAX_SUPPORT_SIZE
 from tandem.errors import InvalidRequest
 from tandem.model_service import ModelServicer, sampling_from, step_from
 from tandem.server import handle_errors
@@ -15,7 +15,6 @@ from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 # Bounds on a step's request, so one request cannot monopolise the replica.
 MAX_SPECULATIVE_TOKENS = MAX_BLOCK_TOKENS
-MAX_SUPPORT_SIZE = 1024
 
 
 class DraftService(ModelServicer, draft_pb2_grpc.DraftServiceServicer):

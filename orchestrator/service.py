@@ -31,7 +31,7 @@ from orchestrator.remote import (
 from orchestrator.speculation import Generation, Step, Usage, speculate
 from orchestrator.text import TextStream
 from tandem import metrics, models
-from tandem.config import MAX_BLOCK_TOKENS, option
+from tandem.config import MAX_BLOCK_TOKENS, MAX_SUPPORT_SIZE, option
 from tandem.errors import InvalidRequest, Unavailable
 from tandem.model_service import sampling_from
 from tandem.security import ClientTls, ServerSecurityConfig, load_client_tls
@@ -187,6 +187,7 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         self.target_info: common_pb2.ModelInfo | None = None
         self.drafts: ReplicaPool | None = None
         self.targets: ReplicaPool | None = None
+        self.offered: set[int] = set()  # proposers requests may choose: known once loaded
         if config.speculation_policy not in POLICIES:
             raise ValueError(f"--speculation-policy must be one of {POLICIES}")
         if config.max_speculative_tokens > MAX_BLOCK_TOKENS:
@@ -195,12 +196,22 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         if not 0 <= config.num_speculative_tokens <= config.max_speculative_tokens:
             raise ValueError(f"--num-speculative-tokens {config.num_speculative_tokens} must be in [0, "
                              f"--max-speculative-tokens {config.max_speculative_tokens}]")
+        if not 1 <= config.default_max_new_tokens <= config.max_new_tokens_cap:
+            raise ValueError(f"--default-max-new-tokens {config.default_max_new_tokens} must be in [1, "
+                             f"--max-new-tokens-cap {config.max_new_tokens_cap}]")
+        if not 1 <= config.max_support_size <= MAX_SUPPORT_SIZE:
+            raise ValueError(f"--max-support-size {config.max_support_size} must be in [1, "
+                             f"{MAX_SUPPORT_SIZE}] (what a draft service sends per token)")
+        has_drafts = bool(_addresses(config.draft) or config.draft_service_name)
+        if config.proposer and proposer_kind(config.proposer) == common_pb2.PROPOSER_DRAFT_MODEL \
+                and not has_drafts:
+            raise ValueError("--proposer draft-model needs draft replicas (--draft or "
+                             "--draft-service-name)")
         # Acceptance and draft cost differ per proposer; verify costs are the target's, shared.
         target_costs = CostModel()
         self.costs: dict[int, CostModel] = collections.defaultdict(target_costs.for_proposer)
         self.default_proposer = proposer_kind(config.proposer) if config.proposer else (
-            common_pb2.PROPOSER_DRAFT_MODEL if _addresses(config.draft) or config.draft_service_name
-            else common_pb2.PROPOSER_NONE)
+            common_pb2.PROPOSER_DRAFT_MODEL if has_drafts else common_pb2.PROPOSER_NONE)
         self.admission = Admission(config.max_concurrent_requests, config.max_queued_requests)
         self._kube: Any = None  # the DiscoveryV1Api client, when discovering replicas
         self._namespace = config.namespace
@@ -221,6 +232,15 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         self.tokenizer = models.load_tokenizer(self.config.tokenizer)
         fingerprint = models.tokenizer_fingerprint(self.tokenizer)
         assert self.target_info is not None
+        self.offered = {common_pb2.PROPOSER_NONE, common_pb2.PROPOSER_PROMPT_LOOKUP,
+                        *self.target_info.proposers}
+        if self.config.draft or self.config.draft_service_name:
+            self.offered.add(common_pb2.PROPOSER_DRAFT_MODEL)
+        if self.default_proposer not in self.offered:
+            runs = ", ".join(common_pb2.Proposer.Name(p) for p in self.target_info.proposers) or "none"
+            raise SystemExit(f"--proposer {self.config.proposer}: no target replica runs it (the "
+                             f"target {self.target_info.model!r} runs: {runs}); start the targets "
+                             "with it (--lookahead, --medusa-heads) or choose another")
         if fingerprint != self.target_info.tokenizer_fingerprint:
             raise SystemExit(
                 f"tokenizer {self.config.tokenizer!r} does not match the target "
@@ -368,14 +388,9 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
 
     def _proposer(self, requested: int, k: int) -> int:
         """The proposer a request runs with: its own choice, else the deployment's; k=0 means none."""
-        assert self.target_info is not None
         kind = requested or self.default_proposer
-        offered = {common_pb2.PROPOSER_NONE, common_pb2.PROPOSER_PROMPT_LOOKUP,
-                   *self.target_info.proposers}
-        if self.config.draft or self.config.draft_service_name:
-            offered.add(common_pb2.PROPOSER_DRAFT_MODEL)
-        if kind not in offered:
-            names = ", ".join(common_pb2.Proposer.Name(p) for p in sorted(offered))
+        if kind not in self.offered:
+            names = ", ".join(common_pb2.Proposer.Name(p) for p in sorted(self.offered))
             what = (common_pb2.Proposer.Name(kind) if kind in common_pb2.Proposer.values()
                     else f"value {kind}")
             raise InvalidRequest(f"proposer {what} is not offered by this deployment; "

@@ -17,6 +17,8 @@ T = TypeVar("T")
 # The most tokens one step drafts or scores as a block, on every service: a bound on what
 # one request can make a replica compute in one pass.
 MAX_BLOCK_TOKENS = 64
+# The most (token, probability) pairs a draft sends per drafted token.
+MAX_SUPPORT_SIZE = 1024
 
 
 def option(default: Any, help: str) -> Any:

@@ -768,6 +768,12 @@ def test_removed_replica_closes_only_after_its_last_session() -> None:
     ({"max_speculative_tokens": 65}, "--max-speculative-tokens 65 exceeds the 64 tokens"),
     ({"num_speculative_tokens": 20}, "--num-speculative-tokens 20 must be in [0, --max-speculative-tokens 16]"),
     ({"num_speculative_tokens": -1}, "--num-speculative-tokens -1 must be in [0,"),
+    # Settings that would refuse, or silently degrade, every request that leaves them unset.
+    ({"max_new_tokens_cap": 100}, "--default-max-new-tokens 256 must be in [1, --max-new-tokens-cap 100]"),
+    ({"default_max_new_tokens": 0}, "--default-max-new-tokens 0 must be in [1,"),
+    ({"max_support_size": 0}, "--max-support-size 0 must be in [1, 1024]"),
+    ({"max_support_size": 1025}, "--max-support-size 1025 must be in [1, 1024]"),
+    ({"proposer": "draft-model"}, "--proposer draft-model needs draft replicas (--draft or --draft-service-name)"),
 ])
 def test_config_keeps_k_within_what_the_services_score(fields: dict, needle: str) -> None:  # type: ignore[type-arg]
     with pytest.raises(ValueError) as err:

@@ -203,6 +203,14 @@ def test_medusa_is_refused_where_the_target_has_no_heads(tiny_stack: Stack) -> N
     assert "PROPOSER_MEDUSA is not offered" in err.value.details()
 
 
+def test_a_default_proposer_no_target_runs_stops_the_orchestrator_at_start(tiny_target: Path) -> None:
+    """Not INVALID_ARGUMENT for every request that leaves the proposer unset, blaming the client."""
+    with pytest.raises(RuntimeError) as err:
+        start_stack(None, str(tiny_target), target_args=["--lookahead", "off"],
+                    orchestrator_args=["--proposer", "lookahead"])
+    assert "--proposer lookahead: no target replica runs it" in str(err.value)
+
+
 # --- A draft that never agrees: the first drafted token is rejected at every step ---
 
 def test_first_draft_token_rejected_every_step(tiny_dir: Path, tiny_target: Path, reference) -> None:  # type: ignore[no-untyped-def]
