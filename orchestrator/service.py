@@ -187,7 +187,6 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         self.target_info: common_pb2.ModelInfo | None = None
         self.drafts: ReplicaPool | None = None
         self.targets: ReplicaPool | None = None
-        self.offered: set[int] = set()  # proposers requests may choose: known once loaded
         if config.speculation_policy not in POLICIES:
             raise ValueError(f"--speculation-policy must be one of {POLICIES}")
         if config.max_speculative_tokens > MAX_BLOCK_TOKENS:
@@ -232,11 +231,7 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         self.tokenizer = models.load_tokenizer(self.config.tokenizer)
         fingerprint = models.tokenizer_fingerprint(self.tokenizer)
         assert self.target_info is not None
-        self.offered = {common_pb2.PROPOSER_NONE, common_pb2.PROPOSER_PROMPT_LOOKUP,
-                        *self.target_info.proposers}
-        if self.config.draft or self.config.draft_service_name:
-            self.offered.add(common_pb2.PROPOSER_DRAFT_MODEL)
-        if self.default_proposer not in self.offered:
+        if self.default_proposer not in self._offered():
             runs = ", ".join(common_pb2.Proposer.Name(p) for p in self.target_info.proposers) or "none"
             raise SystemExit(f"--proposer {self.config.proposer}: no target replica runs it (the "
                              f"target {self.target_info.model!r} runs: {runs}); start the targets "
@@ -386,11 +381,20 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         eos = frozenset() if request.ignore_eos else frozenset(info.eos_token_ids)
         return Generation(tuple(prompt), max_new, params, seed, k, policy, proposer, eos), stops
 
+    def _offered(self) -> set[int]:
+        """The proposers requests may choose: the orchestrator's own, the drafts', the targets'."""
+        assert self.target_info is not None
+        offered = {common_pb2.PROPOSER_NONE, common_pb2.PROPOSER_PROMPT_LOOKUP,
+                   *self.target_info.proposers}
+        if self.config.draft or self.config.draft_service_name:
+            offered.add(common_pb2.PROPOSER_DRAFT_MODEL)
+        return offered
+
     def _proposer(self, requested: int, k: int) -> int:
         """The proposer a request runs with: its own choice, else the deployment's; k=0 means none."""
         kind = requested or self.default_proposer
-        if kind not in self.offered:
-            names = ", ".join(common_pb2.Proposer.Name(p) for p in sorted(self.offered))
+        if kind not in (offered := self._offered()):
+            names = ", ".join(common_pb2.Proposer.Name(p) for p in sorted(offered))
             what = (common_pb2.Proposer.Name(kind) if kind in common_pb2.Proposer.values()
                     else f"value {kind}")
             raise InvalidRequest(f"proposer {what} is not offered by this deployment; "
