@@ -193,7 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--draft-quantize", default="", help="int8-dynamic: a cheaper CPU draft")
     up.add_argument("--host", default="127.0.0.1",
                     help="address the orchestrator binds (the draft and target stay on 127.0.0.1)")
-    up.add_argument("--port", type=int, default=int(os.environ.get("TANDEM_PORT", "50051")))
+    up.add_argument("--port", type=int, default=os.environ.get("TANDEM_PORT", "50051"),
+                    help="orchestrator port [env TANDEM_PORT]")
     up.set_defaults(func=_up)
 
     for label in ("draft-service", "target-service"):

@@ -31,18 +31,32 @@ def _convert(kind: type, raw: str) -> Any:
     return kind(raw)
 
 
+def _parser_of(kind: type, flag: str, env: str) -> Any:
+    """argparse's `type`: it also converts a default given as a string (a variable's value),
+    and only for the command being run, so one bad variable fails that command alone."""
+    def parse(raw: str) -> Any:
+        try:
+            return _convert(kind, raw)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{raw!r} is not a valid {kind.__name__} (from {flag} or env {env})") from None
+    parse.__name__ = kind.__name__
+    return parse
+
+
 def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
     for f in dataclasses.fields(cls):
         kind = type(f.default)
         env = f"TANDEM_{f.name.upper()}"
-        default = _convert(kind, os.environ[env]) if env in os.environ else f.default
         flag = "--" + f.name.replace("_", "-")
-        help_text = f"{f.metadata.get('help', '')} [env {env}; default {default!r}]"
+        help_text = f"{f.metadata.get('help', '')} [env {env}; default {f.default!r}]"
         if kind is bool:
+            default = _convert(bool, os.environ[env]) if env in os.environ else f.default
             parser.add_argument(flag, dest=f.name, default=default,
                                 action=argparse.BooleanOptionalAction, help=help_text)
         else:
-            parser.add_argument(flag, dest=f.name, type=kind, default=default, help=help_text)
+            parser.add_argument(flag, dest=f.name, type=_parser_of(kind, flag, env),
+                                default=os.environ.get(env, f.default), help=help_text)
 
 
 def from_args(cls: type[T], args: argparse.Namespace) -> T:
