@@ -126,6 +126,8 @@ def _up(args: argparse.Namespace) -> None:
 
 
 def _generate(args: argparse.Namespace) -> None:
+    import grpc
+
     from tandem.client import TandemClient
     from tandem.v1 import common_pb2, orchestrator_pb2
 
@@ -136,21 +138,28 @@ def _generate(args: argparse.Namespace) -> None:
                  else os.environ.get("TANDEM_AUTH_TOKEN") or None)
     except SecurityConfigError as exc:
         sys.exit(f"generate: {exc}")
+    text, token_ids, summary = [], [], None
     with TandemClient(args.address, tls=tls, token=token) as client:
-        stream = client.generate_stream(
-            args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-            top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-            num_speculative_tokens=args.num_speculative_tokens, stop=args.stop or None,
-            ignore_eos=args.ignore_eos, proposer=args.proposer)
-        text, token_ids, summary = [], [], None
-        for message in stream:
-            if message.HasField("delta"):
-                token_ids.extend(message.delta.token_ids)
-                text.append(message.delta.text)
-                if not args.json:
-                    print(message.delta.text, end="", flush=True)
-            else:
-                summary = message.summary
+        try:
+            stream = client.generate_stream(
+                args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                num_speculative_tokens=args.num_speculative_tokens, stop=args.stop or None,
+                ignore_eos=args.ignore_eos, proposer=args.proposer)
+            for message in stream:
+                if message.HasField("delta"):
+                    token_ids.extend(message.delta.token_ids)
+                    text.append(message.delta.text)
+                    if not args.json:
+                        print(message.delta.text, end="", flush=True)
+                else:
+                    summary = message.summary
+        except grpc.RpcError as exc:
+            if text and not args.json:
+                print(flush=True)
+            sys.exit(f"generate: {exc.code().name}: {exc.details()}")
+        except ValueError as exc:  # a request the client cannot build (e.g. an unknown proposer)
+            sys.exit(f"generate: {exc}")
     assert summary is not None
     usage = summary.usage
     if args.json:

@@ -52,7 +52,12 @@ class TandemClient:
             fields["num_speculative_tokens"] = num_speculative_tokens
         if proposer:
             # "prompt-lookup" -> PROPOSER_PROMPT_LOOKUP
-            fields["proposer"] = "PROPOSER_" + proposer.upper().replace("-", "_")
+            label = "PROPOSER_" + proposer.upper().replace("-", "_")
+            if label not in common_pb2.Proposer.keys() or label == "PROPOSER_UNSPECIFIED":
+                names = [k.removeprefix("PROPOSER_").lower().replace("_", "-")
+                         for k in common_pb2.Proposer.keys() if k != "PROPOSER_UNSPECIFIED"]
+                raise ValueError(f"unknown proposer {proposer!r}; choose one of: {', '.join(names)}")
+            fields["proposer"] = label
         return fields
 
     def generate_stream(self, prompt: str | list[int], *, max_new_tokens: int = 256,

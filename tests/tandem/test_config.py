@@ -28,3 +28,14 @@ def test_variables_fill_the_defaults_and_flags_win(monkeypatch: pytest.MonkeyPat
     parser = build_parser()
     assert parser.parse_args(["target-service", "--model", "m"]).grace_s == 12.5
     assert parser.parse_args(["target-service", "--model", "m", "--grace-s", "3"]).grace_s == 3.0
+
+
+def test_tandem_generate_reports_a_failed_call_in_one_line() -> None:
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "tandem.cli", "generate", "x", "--address",
+                             "127.0.0.1:1"], capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    assert result.stderr.startswith("generate: UNAVAILABLE: "), result.stderr
