@@ -53,9 +53,9 @@ class TandemClient:
         if proposer:
             # "prompt-lookup" -> PROPOSER_PROMPT_LOOKUP
             label = "PROPOSER_" + proposer.upper().replace("-", "_")
-            if label not in common_pb2.Proposer.keys() or label == "PROPOSER_UNSPECIFIED":
-                names = [k.removeprefix("PROPOSER_").lower().replace("_", "-")
-                         for k in common_pb2.Proposer.keys() if k != "PROPOSER_UNSPECIFIED"]
+            labels = [k for k in common_pb2.Proposer.keys() if k != "PROPOSER_UNSPECIFIED"]
+            if label not in labels:
+                names = [k.removeprefix("PROPOSER_").lower().replace("_", "-") for k in labels]
                 raise ValueError(f"unknown proposer {proposer!r}; choose one of: {', '.join(names)}")
             fields["proposer"] = label
         return fields
