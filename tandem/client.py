@@ -53,7 +53,7 @@ class TandemClient:
         if proposer:
             # "prompt-lookup" -> PROPOSER_PROMPT_LOOKUP
             label = "PROPOSER_" + proposer.upper().replace("-", "_")
-            labels = [k for k in common_pb2.Proposer.keys() if k != "PROPOSER_UNSPECIFIED"]
+            labels = [k for k in common_pb2.Proposer.DESCRIPTOR.values_by_name if k != "PROPOSER_UNSPECIFIED"]
             if label not in labels:
                 names = [k.removeprefix("PROPOSER_").lower().replace("_", "-") for k in labels]
                 raise ValueError(f"unknown proposer {proposer!r}; choose one of: {', '.join(names)}")
