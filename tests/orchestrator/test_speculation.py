@@ -60,3 +60,37 @@ def test_a_failed_prefill_leaves_no_draft_step_running() -> None:
         assert [t for t in asyncio.all_tasks() if t is not asyncio.current_task()] == []
 
     asyncio.run(scenario())
+
+
+class TreeTarget:
+    """A target that proposes and verifies its own tree (Lookahead, Medusa): each pass scores
+    a 19-token segment the orchestrator never sees, and commits two tokens."""
+
+    synced = 0
+
+    async def score(self, history: list[int], *args: Any) -> Any:
+        from orchestrator.remote import TargetScores
+
+        self.synced = len(history)
+        return TargetScores(sampling.ScoredBlock((), (), 0), len(history), compute_ms=50.0,
+                            committed_token_ids=(5, 6), proposed_count=19)
+
+    def advance(self, cache_length: int, committed: int) -> None:
+        pass
+
+
+def test_a_target_proposers_passes_do_not_pass_for_narrow_verify_costs() -> None:
+    """The verify-cost table is shared by every proposer and keyed by the tokens a pass scored.
+    A tree pass scores a segment of unknown width: filed under its 1-2 history tokens, it made
+    narrow passes look expensive to the draft-model policy."""
+    gen = Generation(prompt_token_ids=(1, 2, 3), max_new_tokens=8, sampling=sampling.SamplingParams(),
+                     seed=0, num_speculative_tokens=4, policy="adaptive",
+                     proposer=common_pb2.PROPOSER_LOOKAHEAD, eos_token_ids=frozenset())
+    costs = CostModel()
+
+    async def scenario() -> list[int]:
+        return [t async for step in speculate(gen, None, TreeTarget(), Usage(), costs)  # type: ignore[arg-type]
+                for t in step.token_ids]
+
+    assert asyncio.run(scenario()) == [5, 6] * 4
+    assert costs.verify_ms == {}
