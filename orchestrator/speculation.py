@@ -122,11 +122,11 @@ async def speculate(gen: Generation, proposer: Proposer | None, target: TargetSe
         else:
             usage.draft_ms += block.compute_ms
             usage.target_ms += scores.compute_ms
-        if not prefill and not scores.committed_token_ids:
-            # (A target's own tree pass scores a segment of a width not known here: its cost
-            # would be filed under the step's 1-2 new tokens, where the draft policy reads it.)
-            policy.observe(len(block.token_ids), accepted, block.compute_ms, scores.compute_ms,
-                           step_ms, len(history) - target_synced + len(block.token_ids))
+            # Not a target's own tree pass: it scores a segment of a width not known here,
+            # and its cost would be filed under its 1-2 new tokens, where the draft policy reads.
+            if not scores.committed_token_ids:
+                policy.observe(len(block.token_ids), accepted, block.compute_ms, scores.compute_ms,
+                               step_ms, len(history) - target_synced + len(block.token_ids))
 
         eos_at = next((i for i, t in enumerate(new) if t in gen.eos_token_ids), None)
         new = new[: remaining if eos_at is None else min(eos_at + 1, remaining)]
