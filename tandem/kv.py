@@ -136,22 +136,19 @@ class KVSession:
         device = model.get_input_embeddings().weight.device
         dtype = model.get_input_embeddings().weight.dtype
         cached, n, t = self.length, len(token_ids), len(segment.token_ids)
-        if t == 0:  # the model's own mask and positions (a sliding window's among them)
-            out = model(input_ids=torch.tensor([token_ids], device=device), cache=self.cache,
-                        use_cache=True, output_hidden_states=with_hidden, logits_to_keep=1)
-            hidden = out.hidden_states[-1][0, n - 1:].float().cpu() if with_hidden else None
-            return out.logits[0].float().cpu(), hidden
-        history = torch.ones(n + t, cached + n, dtype=torch.bool).tril(cached)
-        visible = torch.zeros(n + t, t, dtype=torch.bool)
-        visible[n:] = segment.visible
-        allowed = torch.cat([history, visible], dim=1)  # [n + t, cached + n + t]
-        mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
-        positions = [*range(cached, cached + n), *(cached + n + o for o in segment.offsets)]
+        where: dict[str, torch.Tensor] = {}  # no segment: the model's own mask (sliding windows too)
+        if t:
+            history = torch.ones(n + t, cached + n, dtype=torch.bool).tril(cached)
+            visible = torch.zeros(n + t, t, dtype=torch.bool)
+            visible[n:] = segment.visible
+            allowed = torch.cat([history, visible], dim=1)  # [n + t, cached + n + t]
+            mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+            positions = [*range(cached, cached + n), *(cached + n + o for o in segment.offsets)]
+            where = {"attention_mask": mask[None, None].to(device),
+                     "position_ids": torch.tensor([positions], device=device)}
         out = model(input_ids=torch.tensor([[*token_ids, *segment.token_ids]], device=device),
-                    attention_mask=mask[None, None].to(device),
-                    position_ids=torch.tensor([positions], device=device),
                     cache=self.cache, use_cache=True, output_hidden_states=with_hidden,
-                    logits_to_keep=t + 1)
+                    logits_to_keep=t + 1, **where)
         self.rollback(cached + n)
         logits: torch.Tensor = out.logits[0].float().cpu()
         hidden = out.hidden_states[-1][0, n - 1:].float().cpu() if with_hidden else None

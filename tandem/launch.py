@@ -136,8 +136,8 @@ def start_stack(draft_model: str | None, target_model: str, *, num_drafts: int =
     common = ["--threads", str(threads)]
     started: list[Process] = []  # stopped if anything fails, a signal included
 
-    def start(argv: list[str], **where: object) -> Process:
-        started.append(spawn(argv, **where))  # type: ignore[arg-type]
+    def start(argv: list[str], port: int = 0, host: str = "127.0.0.1") -> Process:
+        started.append(spawn(argv, port=port, host=host))
         return started[-1]
 
     try:

@@ -265,15 +265,15 @@ def max_context_tokens(model: CausalLM) -> int:
         if parameters.get("rope_type") == "longrope":
             original = int(parameters.get("original_max_position_embeddings")
                            or getattr(config, "original_max_position_embeddings", 0) or 0)
-            limit = min(limit, original) if limit and original else limit or original
+            if original:
+                limit = min(limit, original) if limit else original
     return limit
 
 
 def exact_positions(model: CausalLM) -> float:
     """How far a pass with a hand-built full causal mask (a proposer's segment) matches the
     model's own: inside the positions it serves exactly, and inside its sliding window."""
-    limits = [max_context_tokens(model) or math.inf, sliding_window(model) or math.inf]
-    return min(limits)
+    return min(max_context_tokens(model) or math.inf, sliding_window(model) or math.inf)
 
 
 def sliding_window(model: CausalLM) -> int | None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import os
+import signal
 import threading
 
 import grpc
@@ -20,3 +23,13 @@ class SlowService:
 
     def load(self) -> None:
         self.release.wait(timeout=30)
+
+
+async def sigterm_and_wait(serving: asyncio.Task[None]) -> None:
+    """SIGTERM this process, as a kubelet would, wait for `server.serve` to drain and return,
+    then give the signals back to the test runner."""
+    os.kill(os.getpid(), signal.SIGTERM)
+    await asyncio.wait_for(serving, timeout=10)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.remove_signal_handler(sig)

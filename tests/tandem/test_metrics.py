@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import re
-import signal
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator
@@ -18,7 +16,7 @@ from dataclasses import dataclass
 
 import grpc
 import pytest
-from fakes import SlowService
+from fakes import SlowService, sigterm_and_wait
 from prometheus_client import REGISTRY
 
 from tandem import metrics, server
@@ -148,11 +146,7 @@ def test_serve_exposes_metrics_on_its_own_port_while_loading_and_until_stopped(c
         assert "tandem_completion_tokens_total" in page
         assert "process_resident_memory_bytes" in page or "python_info" in page
         service.release.set()
-        os.kill(os.getpid(), signal.SIGTERM)
-        await asyncio.wait_for(task, timeout=10)
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)
+        await sigterm_and_wait(task)
         with pytest.raises(urllib.error.URLError):
             await asyncio.to_thread(_scrape, url)
 

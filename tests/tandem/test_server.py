@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 
 import grpc
-from fakes import SlowService
+from fakes import SlowService, sigterm_and_wait
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem import server
@@ -33,11 +32,7 @@ def test_not_serving_until_loaded_then_graceful_stop(capsys) -> None:  # type: i
                 break
             await asyncio.sleep(0.05)
         assert await _status(address) == health_pb2.HealthCheckResponse.SERVING
-        os.kill(os.getpid(), signal.SIGTERM)
-        await asyncio.wait_for(task, timeout=10)
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)
+        await sigterm_and_wait(task)
 
     asyncio.run(scenario())
 
@@ -74,11 +69,7 @@ def test_sigterm_is_handled_from_the_moment_the_port_is_announced(monkeypatch) -
         while not handlers_when_announced:
             await asyncio.sleep(0.01)
         service.release.set()
-        os.kill(os.getpid(), signal.SIGTERM)
-        await asyncio.wait_for(task, timeout=10)
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)
+        await sigterm_and_wait(task)
 
     default = signal.getsignal(signal.SIGTERM)
     asyncio.run(scenario())
