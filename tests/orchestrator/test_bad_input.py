@@ -123,6 +123,7 @@ def test_prompt_and_prompt_token_ids_together(tiny_stack: Stack) -> None:
         call_raw(tiny_stack.address, GENERATE_UNARY, payload, streaming=False)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "exactly one of prompt and prompt_token_ids" in err.value.details()
+    still_serves(tiny_stack)
 
 
 # --- A message larger than the configured limit ---
