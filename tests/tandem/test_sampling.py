@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from mutants import mutant
 from scipy import stats
 
 from tandem import sampling
@@ -67,6 +68,36 @@ def test_probabilities_temperature_top_k_top_p() -> None:
     hot = sampling.probabilities(logits, SamplingParams(temperature=0.5))
     expected = torch.tensor([0.5, 0.3, 0.15, 0.05]) ** 2
     assert torch.allclose(hot[0], expected / expected.sum())
+
+
+def warped_by_transformers(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """An independent reference for probabilities(): transformers' own logits warpers, in the
+    order generate() applies them (temperature, top-k, top-p), then softmax. logits [n, vocab]."""
+    from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    warpers = [TemperatureLogitsWarper(params.temperature)]
+    if params.top_k:
+        warpers.append(TopKLogitsWarper(params.top_k))
+    if params.top_p < 1.0:
+        warpers.append(TopPLogitsWarper(params.top_p))
+    scores, no_ids = logits.float(), torch.zeros(logits.shape[0], 0, dtype=torch.long)
+    for warper in warpers:
+        scores = warper(no_ids, scores)
+    return torch.softmax(scores, -1)
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.7),
+    SamplingParams(temperature=1.5, top_k=5),
+    SamplingParams(temperature=1.0, top_p=0.8),
+    SamplingParams(temperature=0.6, top_k=12, top_p=0.9),
+    SamplingParams(temperature=2.0, top_k=3, top_p=0.5),
+], ids=str)
+def test_probabilities_agree_with_transformers_warpers(params: SamplingParams) -> None:
+    logits = 3.0 * torch.randn(256, 32, generator=torch.Generator().manual_seed(3))
+    ours, reference = sampling.probabilities(logits, params), warped_by_transformers(logits, params)
+    assert torch.equal(ours > 0, reference > 0), "a different set of tokens was kept"
+    assert torch.allclose(ours, reference, atol=1e-6)
 
 
 @pytest.mark.parametrize("params, field", [
@@ -266,11 +297,11 @@ def test_verify_tree_empty_tree_is_plain_sampling() -> None:
     assert verdict == sampling.TreeVerdict((), 3)
 
 
-def _tree_two_tokens(keep_rule: str, trials: int) -> tuple[list[int], torch.Tensor]:
+def _tree_two_tokens(trials: int, verify: object = sampling.verify_tree) -> tuple[list[int], torch.Tensor]:
     """First two tokens when every step verifies a fixed two-level tree over random p tables.
 
-    Candidates: the two tokens 0 and 1 at the root, and token 2 under each. keep_rule
-    "exact" uses verify_tree; "biased" keeps the first candidate whenever p gives it any mass.
+    Candidates: the two tokens 0 and 1 at the root, and token 2 under each, so a node has
+    siblings to try after a rejection and a path can end below the root.
     """
     tables = torch.Generator().manual_seed(99)
     p1, p2, p3 = _random_rows(tables), _random_rows(tables, VOCAB), _random_rows(tables, VOCAB, VOCAB)
@@ -279,11 +310,8 @@ def _tree_two_tokens(keep_rule: str, trials: int) -> tuple[list[int], torch.Tens
     counts = [0] * (VOCAB * VOCAB)
     for _ in range(trials):
         probs = torch.stack([p1, p2[0], p2[1], p3[0, 2], p3[1, 2]])
-        if keep_rule == "exact":
-            verdict = sampling.verify_tree(probs, tokens, parents, rng)
-            out = [tokens[n] for n in verdict.accepted_nodes] + [verdict.next_token_id]
-        else:
-            out = [0, int(sampling.sample(p2[0][None], rng)[0])]
+        verdict = verify(probs, tokens, parents, rng)  # type: ignore[operator]
+        out = [tokens[n] for n in verdict.accepted_nodes] + [verdict.next_token_id]
         if len(out) == 1:  # the next step starts a new tree after token 1; its first token ~ p2
             out.append(int(sampling.sample(p2[out[0]][None], rng)[0]))
         counts[out[0] * VOCAB + out[1]] += 1
@@ -291,12 +319,36 @@ def _tree_two_tokens(keep_rule: str, trials: int) -> tuple[list[int], torch.Tens
 
 
 def test_tree_verification_matches_target_distribution() -> None:
-    counts, exact = _tree_two_tokens("exact", trials=20_000)
+    counts, exact = _tree_two_tokens(trials=20_000)
     assert _p_value(counts, exact) > ALPHA
 
 
 def test_tree_statistical_test_catches_always_keeping_the_first_candidate() -> None:
-    counts, exact = _tree_two_tokens("biased", trials=20_000)
+    def keep_first(probs, tokens, parents, rng):  # type: ignore[no-untyped-def]
+        return sampling.TreeVerdict((0,), int(sampling.sample(probs[1][None], rng)[0]))
+
+    counts, exact = _tree_two_tokens(trials=20_000, verify=keep_first)
+    assert _p_value(counts, exact) < ALPHA
+
+
+# Mutants of verify_tree itself, each one line of its walk broken (tests/mutants.py).
+TREE_MUTANTS = {
+    # A rejected candidate keeps its mass: a later sibling is kept too rarely, and the
+    # emitted token can be a candidate that was just rejected.
+    "no-zeroing": ("residual[token] = 0.0", "pass"),
+    # u ~ U[0, 1) against r(c) without dividing by sum(r): once a sibling was rejected, the
+    # next is kept with probability r(c), not r(c) / sum(r).
+    "unnormalised-uniforms": ("u * mass < chosen", "u < chosen"),
+    # The token after the path drawn from p, not from the residual: a rejected candidate
+    # can be emitted after all.
+    "recovered-from-p": ("sample(residual[None], generator)",
+                         "sample(target_probs[row][None], generator)"),
+}
+
+
+@pytest.mark.parametrize("edit", TREE_MUTANTS.values(), ids=TREE_MUTANTS.keys())
+def test_tree_statistical_test_catches_a_broken_verify_tree(edit: tuple[str, str]) -> None:
+    counts, exact = _tree_two_tokens(trials=20_000, verify=mutant(sampling.verify_tree, *edit))
     assert _p_value(counts, exact) < ALPHA
 
 
