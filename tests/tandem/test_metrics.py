@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import re
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator
@@ -16,11 +15,12 @@ from dataclasses import dataclass
 
 import grpc
 import pytest
-from fakes import SlowService, sigterm_and_wait
+from fakes import release, slow_server, stop
 from prometheus_client import REGISTRY
 
-from tandem import metrics, server
+from tandem import metrics
 from tandem.errors import InvalidRequest
+from tandem.launch import wait_serving
 from tandem.model_service import ModelHost, ModelServiceConfig
 from tandem.v1 import common_pb2
 
@@ -129,25 +129,17 @@ def _scrape(url: str) -> str:
         return text
 
 
-def test_serve_exposes_metrics_on_its_own_port_while_loading_and_until_stopped(capsys) -> None:  # type: ignore[no-untyped-def]
-    async def scenario() -> None:
-        service = SlowService()
-        task = asyncio.create_task(server.serve([service], "test", "127.0.0.1", 0, grace_s=1,
-                                                metrics_port=0))
-        out = ""
-        while (found := re.search(r"metrics on (http://\S+)", out)) is None:
-            await asyncio.sleep(0.05)
-            out += capsys.readouterr().out
-        url = found.group(1)
-        grpc_port = int(re.search(r"listening on 127.0.0.1:(\d+)", out).group(1))  # type: ignore[union-attr]
+def test_serve_exposes_metrics_on_its_own_port_while_loading_and_until_stopped() -> None:
+    with slow_server("--metrics-port", "0") as (process, output):
+        url = output.wait_for(" metrics on ").rsplit(" ", 1)[1].strip()
+        grpc_port = process.address.rsplit(":", 1)[1]
         assert not url.endswith(f":{grpc_port}/metrics"), "a port of its own"
         # Still loading (NOT_SERVING), and already scrapeable.
-        page = await asyncio.to_thread(_scrape, url)
+        page = _scrape(url)
         assert "tandem_completion_tokens_total" in page
         assert "process_resident_memory_bytes" in page or "python_info" in page
-        service.release.set()
-        await sigterm_and_wait(task)
+        release(process)
+        wait_serving(process, timeout=60)
+        assert stop(process.proc) == 0, output.text
         with pytest.raises(urllib.error.URLError):
-            await asyncio.to_thread(_scrape, url)
-
-    asyncio.run(scenario())
+            _scrape(url)
