@@ -466,7 +466,7 @@ def main(argv: list[str] | None = None) -> None:
                 procs["orchestrator(plain)"] = spawn(["orchestrator", "--draft",
                                                       procs["draft-service(plain)"].address, *orch_args])
         hf: dict[str, Any] = {}
-        dtype = models.DTYPES[args.target_dtype]
+        dtype = models.torch_dtype(args.target_dtype)
         if "hf-target" in modes or "hf-assisted" in modes or "hf-assisted-cheap" in modes:
             hf["target"] = AutoModelForCausalLM.from_pretrained(target_path, dtype=dtype).to(args.device).eval()
         if "hf-assisted" in modes:

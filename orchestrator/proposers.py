@@ -21,7 +21,7 @@ from typing import Protocol
 
 from orchestrator.remote import EMPTY_BLOCK, DraftBlock, DraftSession
 from tandem import metrics, sampling
-from tandem.errors import ResourceExhausted, Unavailable
+from tandem.errors import ReplicaRefused, ResourceExhausted, Unavailable
 from tandem.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -67,8 +67,10 @@ class DraftModelProposer:
                                               self.max_support_size, seed)
         except (Unavailable, ResourceExhausted) as exc:
             # The draft only ever changes speed: without one, the target decodes alone, exactly.
-            log.warning("session %s: no draft replica left (%s); going on with the target alone",
-                        self.session.session_id, exc)
+            why = ("the draft refused this request" if isinstance(exc, ReplicaRefused)
+                   else "no draft replica left")
+            log.warning("session %s: %s (%s); going on with the target alone",
+                        self.session.session_id, why, exc)
             metrics.DRAFT_FALLBACKS.inc()
             self.lost = True
             await self.session.close()

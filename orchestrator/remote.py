@@ -17,7 +17,7 @@ from typing import Any, cast
 import grpc
 
 from tandem import metrics, sampling
-from tandem.errors import DeadlineExceeded, ResourceExhausted, Unavailable
+from tandem.errors import DeadlineExceeded, ReplicaRefused, ResourceExhausted, Unavailable
 from tandem.security import ClientTls, aio_channel
 from tandem.server import CHANNEL_OPTIONS
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
@@ -227,6 +227,9 @@ class RemoteSession:
                 # Callers see what went wrong downstream, never a bare UNKNOWN.
                 if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                     raise DeadlineExceeded("the request's deadline passed while generating") from exc
+                if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise ReplicaRefused(f"{method} on replica {where} refused this request: "
+                                         f"{exc.details()}") from exc
                 if exc.code() not in _REBUILD:
                     raise Unavailable(f"{method} on replica {where} failed: {exc.code().name}: "
                                       f"{exc.details()}") from exc

@@ -6,13 +6,16 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import os
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
 
-from tandem import config, models
+from tandem import config, models  # neither imports torch: `tandem generate` never loads it
 from tandem.security import (
     SecurityConfigError,
     ServerSecurityConfig,
@@ -31,6 +34,9 @@ def _serve_model(args: argparse.Namespace, label: str) -> None:
     cfg = config.from_args(ModelServiceConfig, args)
     if not cfg.model:
         sys.exit(f"{label}: --model is required (a path, a hub id, or one of {sorted(models.BUILTIN_MODELS)})")
+    if cfg.dtype != models.AUTO_DTYPE and cfg.dtype not in models.DTYPES:
+        sys.exit(f"{label}: --dtype must be one of {', '.join(models.DTYPES)} or auto, got {cfg.dtype!r}")
+    _check_model(label, "--model", cfg.model)
     if cfg.quantize and label == "target-service":
         sys.exit("target-service: --quantize is for drafts only; Tandem never changes the target's "
                  "output. Choose the target's precision with --dtype.")
@@ -65,6 +71,14 @@ def _serve_model(args: argparse.Namespace, label: str) -> None:
                       max_message_bytes=cfg.max_message_bytes))
 
 
+def _check_model(label: str, flag: str, ref: str) -> None:
+    """Refuse a model that cannot load now, in one line, before the port is announced."""
+    try:
+        models.check_reference(ref)
+    except models.ModelError as exc:
+        sys.exit(f"{label}: {flag}: {exc}")
+
+
 def _server_tls(cfg: ServerSecurityConfig, label: str) -> ServerTls | None:
     try:
         return cfg.server_tls()
@@ -78,6 +92,8 @@ def _serve_orchestrator(args: argparse.Namespace) -> None:
 
     cfg = config.from_args(OrchestratorConfig, args)
     tls = _server_tls(cfg, "orchestrator")
+    if cfg.tokenizer:
+        _check_model("orchestrator", "--tokenizer", cfg.tokenizer)
     configure_logging(cfg.log_level)
     try:
         service = OrchestratorService(cfg)  # SecurityConfigError is a ValueError
@@ -95,41 +111,70 @@ def _serve_orchestrator(args: argparse.Namespace) -> None:
 def _up(args: argparse.Namespace) -> None:
     from tandem.launch import start_stack
 
-    # Prepare built-in models here, once, with a progress bar, before the services load them.
+    for flag, ref in (("--draft", args.draft), ("--target", args.target)):
+        _check_model("up", flag, ref)
+    # Prepare built-in models here, once, with progress, before the services load them.
     for ref in (args.draft, args.target):
         models.resolve(ref)
-    print(f"starting draft {args.draft} ({args.draft_dtype}) and target {args.target} "
-          f"({args.target_dtype}); loading models...", flush=True)
+    draft_dtype, target_dtype = args.draft_dtype or args.dtype, args.target_dtype or args.dtype
+    if args.draft_quantize and draft_dtype == models.AUTO_DTYPE:
+        draft_dtype = "float32"  # int8-dynamic quantizes float32 weights
+    draft_dtype, target_dtype = (
+        models.auto_dtype(ref, args.device) if dtype == models.AUTO_DTYPE else dtype
+        for ref, dtype in ((args.draft, draft_dtype), (args.target, target_dtype)))
+    logs = Path(args.log_dir).expanduser()
+    logs.mkdir(parents=True, exist_ok=True)
+    print(f"starting draft {args.draft} ({draft_dtype}"
+          f"{'+' + args.draft_quantize if args.draft_quantize else ''}) and target {args.target} "
+          f"({target_dtype}) on {args.device}\n"
+          f"  logs: {logs}/{{draft,target,orchestrator}}.log\n"
+          f"loading models (the first load on a CPU takes a minute or two)...", flush=True)
+    started = time.monotonic()
+
+    def ready(role: str) -> None:
+        print(f"  {role} ready ({time.monotonic() - started:.0f}s)", flush=True)
+
     # From here on SIGTERM (kill, docker stop, systemd) unwinds like Ctrl-C, so whatever has
     # started is stopped, even while the models still load.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    device = ["--device", args.device]
     try:
-        stack = start_stack(args.draft, args.target, draft_dtype=args.draft_dtype,
-                            target_dtype=args.target_dtype, threads=0, port=args.port, host=args.host,
-                            draft_args=["--quantize", args.draft_quantize] if args.draft_quantize else [])
+        stack = start_stack(args.draft, args.target, draft_dtype=draft_dtype,
+                            target_dtype=target_dtype, threads=0, port=args.port, host=args.host,
+                            draft_args=[*device, *(["--quantize", args.draft_quantize]
+                                                   if args.draft_quantize else [])],
+                            target_args=device, log_dir=logs, on_ready=ready)
     except KeyboardInterrupt:
+        print("stopped", flush=True)
         sys.exit(130)
+    except RuntimeError as exc:
+        sys.exit(f"up: a service failed to start; see {logs}\n{exc}")
     print(f"Tandem is ready: orchestrator listening on {stack.address}\n"
-          f"  try: tandem generate --address {stack.address} \"def fibonacci(n):\"", flush=True)
-    processes = [stack.orchestrator, *stack.drafts, *stack.targets]
+          f"  try, in another shell: tandem generate --address {stack.address} "
+          f"\"def fibonacci(n):\"\n"
+          f"  stop with Ctrl-C (or SIGTERM); logs in {logs}", flush=True)
+    processes = {"orchestrator": stack.orchestrator, "draft": stack.drafts[0],
+                 "target": stack.targets[0]}
     try:
-        while all(p.proc.poll() is None for p in processes):
+        while all(p.proc.poll() is None for p in processes.values()):
             time.sleep(1.0)
-        died = next(p for p in processes if p.proc.poll() is not None)
-        print(f"a service exited ({died.address}, code {died.proc.returncode}); stopping the others",
-              file=sys.stderr)
+        role, died = next((r, p) for r, p in processes.items() if p.proc.poll() is not None)
+        tail = "".join(died.lines[-15:])
+        print(f"the {role} service exited (code {died.proc.returncode}); stopping the others. "
+              f"Its last lines ({logs}/{role}.log):\n{tail}", file=sys.stderr, flush=True)
         sys.exit(1)
     except KeyboardInterrupt:
         pass
     finally:
+        print("stopping...", flush=True)
         stack.stop()
+        print("stopped", flush=True)
 
 
 def _generate(args: argparse.Namespace) -> None:
     import grpc
 
     from tandem.client import TandemClient
-    from tandem.v1 import common_pb2, orchestrator_pb2
 
     try:
         tls = load_client_tls(args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name,
@@ -146,14 +191,19 @@ def _generate(args: argparse.Namespace) -> None:
                 top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                 num_speculative_tokens=args.num_speculative_tokens, stop=args.stop or None,
                 ignore_eos=args.ignore_eos, proposer=args.proposer)
-            for message in stream:
-                if message.HasField("delta"):
-                    token_ids.extend(message.delta.token_ids)
-                    text.append(message.delta.text)
-                    if not args.json:
-                        print(message.delta.text, end="", flush=True)
-                else:
-                    summary = message.summary
+            with stream:  # Ctrl-C leaves it: the call is cancelled and its caches freed
+                for message in stream:
+                    if message.HasField("delta"):
+                        token_ids.extend(message.delta.token_ids)
+                        text.append(message.delta.text)
+                        if not args.json:
+                            print(message.delta.text, end="", flush=True)
+                    else:
+                        summary = message.summary
+        except KeyboardInterrupt:
+            if text and not args.json:
+                print(flush=True)
+            sys.exit(130)
         except grpc.RpcError as exc:
             if text and not args.json:
                 print(flush=True)
@@ -161,10 +211,16 @@ def _generate(args: argparse.Namespace) -> None:
         except ValueError as exc:  # a request the client cannot build (e.g. an unknown proposer)
             sys.exit(f"generate: {exc}")
     assert summary is not None
+    _print_summary(summary, "".join(text), token_ids, as_json=args.json)
+
+
+def _print_summary(summary: Any, text: str, token_ids: list[int], *, as_json: bool) -> None:
+    from tandem.v1 import common_pb2, orchestrator_pb2
+
     usage = summary.usage
-    if args.json:
+    if as_json:
         print(json.dumps({
-            "text": "".join(text), "token_ids": token_ids,
+            "text": text, "token_ids": token_ids,
             "finish_reason": orchestrator_pb2.FinishReason.Name(summary.finish_reason),
             "usage": {
                 "prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
@@ -187,50 +243,75 @@ def _prepare(args: argparse.Namespace) -> None:
         print(models.resolve(ref))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from orchestrator.service import OrchestratorConfig
-    from tandem.model_service import ModelServiceConfig
+def _bounded(kind: Callable[[str], Any], low: float, high: float, *, low_open: bool = False,
+             hint: str = "") -> Callable[[str], Any]:
+    """argparse `type`: a number in [low, high] ((low, high] with low_open); argparse names
+    the flag in its error."""
+    def parse(raw: str) -> Any:
+        try:
+            value = kind(raw)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{raw!r} is not a {kind.__name__}") from None
+        if not (low < value if low_open else low <= value) or not value <= high \
+                or (isinstance(value, float) and not math.isfinite(value)):
+            bounds = f"{'(' if low_open else '['}{low:g}, {high:g}]"
+            raise argparse.ArgumentTypeError(f"{raw} is outside {bounds}{hint}")
+        return value
+    parse.__name__ = kind.__name__
+    return parse
 
-    parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
 
-    up = sub.add_parser("up", help="start draft, target and orchestrator as local processes")
-    up.add_argument("--draft", default=models.DEFAULT_DRAFT, help="draft model (path, hub id or built-in)")
-    up.add_argument("--target", default=models.DEFAULT_TARGET, help="target model")
-    up.add_argument("--draft-dtype", default="float32")
-    up.add_argument("--target-dtype", default="float32")
+UINT32, UINT64 = 2**32 - 1, 2**64 - 1
+
+
+def _add_up_arguments(up: argparse.ArgumentParser) -> None:
+    up.add_argument("--draft", default=models.DEFAULT_DRAFT,
+                    help="draft model: local path, hub id or built-in name (default: %(default)s)")
+    up.add_argument("--target", default=models.DEFAULT_TARGET,
+                    help="target model (default: %(default)s)")
+    up.add_argument("--device", default="cpu",
+                    help="where both models run: cpu, cuda, cuda:N, or a device map such as auto "
+                         "(default: %(default)s)")
+    up.add_argument("--dtype", default=models.AUTO_DTYPE,
+                    help="both models' dtype: float32, bfloat16, float16, or auto: the model's own "
+                         "on a GPU, bfloat16 on a CPU with bf16 instructions (avx512_bf16 or AMX), "
+                         "else float32 (default: %(default)s)")
+    up.add_argument("--draft-dtype", default="", help="the draft's dtype, if not --dtype")
+    up.add_argument("--target-dtype", default="", help="the target's dtype, if not --dtype")
     up.add_argument("--draft-quantize", default="", help="int8-dynamic: a cheaper CPU draft")
     up.add_argument("--host", default="127.0.0.1",
                     help="address the orchestrator binds (the draft and target stay on 127.0.0.1)")
     up.add_argument("--port", type=int, default=os.environ.get("TANDEM_PORT", "50051"),
-                    help="orchestrator port [env TANDEM_PORT]")
-    up.set_defaults(func=_up)
+                    help="orchestrator port [env TANDEM_PORT; default 50051]")
+    up.add_argument("--log-dir", default=str(models.cache_dir() / "logs"),
+                    help="where each service's log goes (default: %(default)s)")
 
-    for label in ("draft-service", "target-service"):
-        p = sub.add_parser(label, help=f"run one {label}")
-        config.add_arguments(p, ModelServiceConfig)
-        p.set_defaults(func=lambda a, label=label: _serve_model(a, label))
 
-    orch = sub.add_parser("orchestrator", help="run the orchestrator (public API)")
-    config.add_arguments(orch, OrchestratorConfig)
-    orch.set_defaults(func=_serve_orchestrator)
-
-    gen = sub.add_parser("generate", help="stream text from a running orchestrator")
-    gen.add_argument("prompt")
-    gen.add_argument("--address", default=os.environ.get("TANDEM_ADDRESS", "127.0.0.1:50051"))
-    gen.add_argument("--max-new-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--num-speculative-tokens", type=int, default=None,
+def _add_generate_arguments(gen: argparse.ArgumentParser) -> None:
+    env = os.environ.get
+    gen.add_argument("prompt", help="the prompt text")
+    gen.add_argument("--address", default=env("TANDEM_ADDRESS", "127.0.0.1:50051"),
+                     help="the orchestrator, host:port [env TANDEM_ADDRESS; default %(default)s]")
+    gen.add_argument("--max-new-tokens", type=_bounded(int, 1, UINT32), default=128,
+                     help="most tokens to generate (default: %(default)s; on the wire 0 means "
+                          "unset: the orchestrator's --default-max-new-tokens)")
+    gen.add_argument("--temperature", type=_bounded(float, 0, math.inf), default=0.0,
+                     help="sampling temperature; 0 is greedy (default: %(default)s)")
+    gen.add_argument("--top-p", type=_bounded(float, 0, 1, low_open=True), default=1.0,
+                     help="nucleus sampling: keep the smallest set of tokens holding this "
+                          "probability; 1 keeps all (default: %(default)s)")
+    gen.add_argument("--top-k", type=_bounded(int, 0, UINT32), default=0,
+                     help="keep the k most likely tokens; 0 keeps all (default: %(default)s)")
+    gen.add_argument("--seed", type=_bounded(int, 0, UINT64), default=None,
+                     help="seed for every random draw: the same seed gives the same text at a "
+                          "fixed k (default: a fresh random seed)")
+    gen.add_argument("--num-speculative-tokens", type=_bounded(int, 0, UINT32), default=None,
                      help="draft block length k; 0 is plain target decoding (default: the server's)")
     gen.add_argument("--proposer", default=None,
                      help="draft-model, prompt-lookup, lookahead, medusa or none (default: the server's)")
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
-    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--ignore-eos", action="store_true", help="generate past end-of-sequence")
     gen.add_argument("--json", action="store_true", help="print one JSON object at the end")
-    env = os.environ.get
     # TANDEM_CLIENT_TLS_*, not the services' TANDEM_TLS_*: in a shell or pod set up to serve
     # TLS those name the server's own certificate, which a client must not present.
     gen.add_argument("--tls", action=argparse.BooleanOptionalAction,
@@ -249,23 +330,71 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--auth-token-file", default=env("TANDEM_AUTH_TOKEN_FILE", ""),
                      help="file holding the orchestrator's bearer token [env "
                           "TANDEM_AUTH_TOKEN_FILE; or the token itself in TANDEM_AUTH_TOKEN]")
-    gen.set_defaults(func=_generate)
 
-    train = sub.add_parser("train-medusa", help="train Medusa heads for a target on its own text",
-                           description="Medusa-1 heads by self-distillation: the frozen target "
-                           "continues training prompts, the heads learn to predict its tokens "
-                           "t+2.., and are saved in the published Medusa format.")
+
+def _add_prepare_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("models", nargs="*", help="built-in model names (default: all)")
+
+
+def _add_model_service_arguments(parser: argparse.ArgumentParser) -> None:
+    from tandem.model_service import ModelServiceConfig
+
+    config.add_arguments(parser, ModelServiceConfig)
+
+
+def _add_orchestrator_arguments(parser: argparse.ArgumentParser) -> None:
+    from orchestrator.service import OrchestratorConfig
+
+    config.add_arguments(parser, OrchestratorConfig)
+
+
+def _add_medusa_arguments(parser: argparse.ArgumentParser) -> None:
     from target_service import medusa_train
 
-    medusa_train.add_arguments(train)
-    train.set_defaults(func=medusa_train.main)
+    medusa_train.add_arguments(parser)
 
+
+def _train_medusa(args: argparse.Namespace) -> None:
+    from target_service import medusa_train
+
+    medusa_train.main(args)
+
+
+# name: (help, adds the arguments, runs it). Arguments are added only for the command being
+# run: the services' configs import torch, and `tandem generate --help` must not wait for it.
+COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None],
+                          Callable[[argparse.Namespace], None]]] = {
+    "up": ("start draft, target and orchestrator as local processes", _add_up_arguments, _up),
+    "draft-service": ("run one draft-service", _add_model_service_arguments,
+                      lambda a: _serve_model(a, "draft-service")),
+    "target-service": ("run one target-service", _add_model_service_arguments,
+                       lambda a: _serve_model(a, "target-service")),
+    "orchestrator": ("run the orchestrator (public API)", _add_orchestrator_arguments,
+                     _serve_orchestrator),
+    "generate": ("stream text from a running orchestrator", _add_generate_arguments, _generate),
+    "train-medusa": ("train Medusa heads for a target on its own text", _add_medusa_arguments,
+                     _train_medusa),
+    "prepare-models": ("assemble and convert the built-in models now",
+                       _add_prepare_arguments, _prepare),
+}
+MEDUSA_DESCRIPTION = ("Medusa-1 heads by self-distillation: the frozen target continues training "
+                      "prompts, the heads learn to predict its tokens t+2.., and are saved in the "
+                      "published Medusa format.")
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line; with `only`, the arguments of that command alone."""
+    parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (help_text, add_arguments, run) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text,
+                           description=MEDUSA_DESCRIPTION if name == "train-medusa" else help_text)
+        p.set_defaults(func=run)
+        if only is None or only == name:
+            add_arguments(p)
     sub.add_parser("bench", help="benchmark every mode side by side (tandem bench --help)")
     sub.add_parser("bench-load", help="concurrent clients: errors, exactness, leaks, latency "
                    "(tandem bench-load --help)")
-    prep = sub.add_parser("prepare-models", help="assemble and convert the built-in models now")
-    prep.add_argument("models", nargs="*")
-    prep.set_defaults(func=_prepare)
     return parser
 
 
@@ -281,8 +410,11 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         load_main(argv[1:])
         return
-    args = build_parser().parse_args(argv)
-    args.func(args)
+    args = build_parser(only=argv[0] if argv else "").parse_args(argv)
+    try:
+        args.func(args)
+    except KeyboardInterrupt:  # Ctrl-C: what was running has been stopped; no traceback
+        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -45,3 +45,9 @@ class Unavailable(TandemError):
     """The service cannot serve now (still loading, draining, or no replica left)."""
 
     code = grpc.StatusCode.UNAVAILABLE
+
+
+class ReplicaRefused(Unavailable):
+    """A replica answered INVALID_ARGUMENT to a step the orchestrator built from a valid
+    request: the replica cannot serve this request (e.g. a draft whose vocabulary is smaller
+    than the tokenizer's refuses ids past its rows), though it is alive and serves others."""

@@ -8,8 +8,9 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -59,8 +60,10 @@ class Process:
 
 
 def spawn(argv: Sequence[str], env: dict[str, str] | None = None, port: int = 0,
-          host: str = "127.0.0.1") -> Process:
-    """Run `tandem <argv>` on host:port (0: a free port); return once it prints its address."""
+          host: str = "127.0.0.1", log_file: Path | None = None) -> Process:
+    """Run `tandem <argv>` on host:port (0: a free port); return once it prints its address.
+
+    Its output is kept in `Process.lines`, and also written to `log_file` when given."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "tandem.cli", *argv, "--host", host, "--port", str(port)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -68,18 +71,33 @@ def spawn(argv: Sequence[str], env: dict[str, str] | None = None, port: int = 0,
     )
     assert proc.stdout is not None
     lines: list[str] = []
+    log = open(log_file, "w", buffering=1) if log_file else None  # noqa: SIM115 - the reader closes it
+
+    def keep(line: str) -> None:
+        lines.append(line)
+        if log is not None:
+            log.write(line)
+
+    def read_on() -> None:  # the child must never block on a full pipe
+        for line in proc.stdout or []:
+            keep(line)
+        if log is not None:
+            log.close()
+
     try:
         for line in proc.stdout:
-            lines.append(line)
+            keep(line)
             if " listening on " in line:
                 process = Process(proc, line.rsplit(" ", 1)[1].strip(), lines)
-                # Keep reading so the child never blocks on a full pipe; keep the log for failures.
-                threading.Thread(target=lambda: lines.extend(proc.stdout or []), daemon=True).start()
+                threading.Thread(target=read_on, daemon=True).start()
                 return process
     except BaseException:  # interrupted before it announced itself: it is nobody's to stop
         proc.kill()
         proc.wait()
         raise
+    finally:
+        if log is not None and proc.poll() is not None:
+            log.close()
     raise RuntimeError(f"tandem {argv[0]} exited with {proc.wait()}:\n{''.join(lines)}")
 
 
@@ -125,20 +143,29 @@ def start_stack(draft_model: str | None, target_model: str, *, num_drafts: int =
                 target_dtype: str = "float32", threads: int = 1,
                 draft_args: Sequence[str] = (), target_args: Sequence[str] = (),
                 orchestrator_args: Sequence[str] = (), port: int = 0, host: str = "127.0.0.1",
-                tls: ClientTls | None = None, token: str | None = None) -> Stack:
+                tls: ClientTls | None = None, token: str | None = None,
+                log_dir: Path | None = None,
+                on_ready: Callable[[str], None] | None = None) -> Stack:
     """Start drafts, targets and an orchestrator; return when all are SERVING.
 
     The orchestrator binds `host` (the public API); the replicas only ever bind 127.0.0.1.
 
     With TLS flags among the *_args, `tls` is how this process reaches every service (one CA,
     and a client certificate where mutual TLS is on); `token` is what `Stack.client()` sends.
+
+    With `log_dir`, each service's output also goes to <log_dir>/<role>[-i].log; `on_ready`
+    is called with each role ("draft", "target", "orchestrator") as it turns SERVING.
     """
     common = ["--threads", str(threads)]
-    started: list[Process] = []  # stopped if anything fails, a signal included
+    started: list[tuple[str, Process]] = []  # stopped if anything fails, a signal included
 
     def start(argv: list[str], port: int = 0, host: str = "127.0.0.1") -> Process:
-        started.append(spawn(argv, port=port, host=host))
-        return started[-1]
+        role = argv[0].removesuffix("-service")
+        count = sum(1 for r, _ in started if r.split("-")[0] == role)
+        name = role if count == 0 else f"{role}-{count}"
+        log_file = log_dir / f"{name}.log" if log_dir else None
+        started.append((name, spawn(argv, port=port, host=host, log_file=log_file)))
+        return started[-1][1]
 
     try:
         drafts = [start(["draft-service", "--model", draft_model, "--dtype", draft_dtype, *common,
@@ -148,10 +175,12 @@ def start_stack(draft_model: str | None, target_model: str, *, num_drafts: int =
         orch = start(["orchestrator", "--draft", ",".join(p.address for p in drafts),
                       "--target", ",".join(p.address for p in targets), "--tokenizer", target_model,
                       *orchestrator_args], port=port, host=host)
-        for p in started:
+        for name, p in started:
             wait_serving(p, tls=tls)
+            if on_ready is not None:
+                on_ready(name)
     except BaseException:
-        for p in reversed(started):
+        for _, p in reversed(started):
             p.stop()
         raise
     return Stack(drafts, targets, orch, tls, token)

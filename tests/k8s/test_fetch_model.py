@@ -4,6 +4,7 @@ would install or download for each kind of model reference (nothing is fetched h
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 import subprocess
 import sys
@@ -43,6 +44,8 @@ def test_a_prepared_builtin_model_is_left_alone(fetch_model: ModuleType, tmp_pat
     name = models.DEFAULT_DRAFT
     (tmp_path / "models" / name).mkdir(parents=True)
     (tmp_path / "models" / name / "config.json").write_text("{}")
+    (tmp_path / "models" / name / "tandem.json").write_text(
+        json.dumps({"format": models.CONVERSION_FORMAT}))
 
     def no_install(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("nothing to install on a warm cache volume")

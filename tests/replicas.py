@@ -1,0 +1,31 @@
+"""What the tests read off a stack's replicas: open sessions and cached tokens, polled back to
+a baseline with a deadline (sessions close just after a stream's last message)."""
+
+from __future__ import annotations
+
+import time
+
+from tandem.launch import Stack
+
+GAUGES = ("tandem_sessions_active", "tandem_kv_cached_tokens")
+
+
+def replica_state(stack: Stack) -> dict[str, float]:
+    """Open sessions, cached tokens and sessions ever opened, per replica."""
+    state = {}
+    for role, replica in (("draft", stack.drafts[0]), ("target", stack.targets[0])):
+        samples = replica.metrics()
+        for name in (*GAUGES, "tandem_sessions_total"):
+            state[f"{role} {name}"] = samples.get(name, 0.0)
+    return state
+
+
+def wait_for_baseline(stack: Stack, baseline: dict[str, float], timeout: float = 60.0) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while True:
+        state = replica_state(stack)
+        gauges = {k: v for k, v in state.items() if k.endswith(GAUGES)}
+        if gauges == {k: v for k, v in baseline.items() if k.endswith(GAUGES)}:
+            return state
+        assert time.monotonic() < deadline, f"replicas did not return to {baseline}: {state}"
+        time.sleep(0.1)
