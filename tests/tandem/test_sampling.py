@@ -6,14 +6,14 @@ import math
 
 import pytest
 import torch
+from laws import p_value, warped_by_transformers
 from mutants import mutant
-from scipy import stats
 
 from tandem import sampling
 from tandem.sampling import SamplingParams, SparseDistribution
 
 GREEDY = SamplingParams()
-ALPHA = 1e-3  # false-alarm rate of every statistical test here
+ALPHA = 1e-3  # false-alarm rate of every statistical test here (chi-square: tests/laws.py)
 
 
 def one_hot(token: int, vocab: int = 6) -> torch.Tensor:
@@ -70,22 +70,6 @@ def test_probabilities_temperature_top_k_top_p() -> None:
     assert torch.allclose(hot[0], expected / expected.sum())
 
 
-def warped_by_transformers(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """An independent reference for probabilities(): transformers' own logits warpers, in the
-    order generate() applies them (temperature, top-k, top-p), then softmax. logits [n, vocab]."""
-    from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
-
-    warpers = [TemperatureLogitsWarper(params.temperature)]
-    if params.top_k:
-        warpers.append(TopKLogitsWarper(params.top_k))
-    if params.top_p < 1.0:
-        warpers.append(TopPLogitsWarper(params.top_p))
-    scores, no_ids = logits.float(), torch.zeros(logits.shape[0], 0, dtype=torch.long)
-    for warper in warpers:
-        scores = warper(no_ids, scores)
-    return torch.softmax(scores, -1)
-
-
 @pytest.mark.parametrize("params", [
     SamplingParams(temperature=0.7),
     SamplingParams(temperature=1.5, top_k=5),
@@ -94,6 +78,8 @@ def warped_by_transformers(logits: torch.Tensor, params: SamplingParams) -> torc
     SamplingParams(temperature=2.0, top_k=3, top_p=0.5),
 ], ids=str)
 def test_probabilities_agree_with_transformers_warpers(params: SamplingParams) -> None:
+    """Every exact law in these tests is built with probabilities(): check it against an
+    independent reference, transformers' own warpers, on the same logits."""
     logits = 3.0 * torch.randn(256, 32, generator=torch.Generator().manual_seed(3))
     ours, reference = sampling.probabilities(logits, params), warped_by_transformers(logits, params)
     assert torch.equal(ours > 0, reference > 0), "a different set of tokens was kept"
@@ -167,34 +153,22 @@ def _two_tokens(accept_rule: object, trials: int, seed: int = 0) -> tuple[list[i
     return counts, exact
 
 
-def _p_value(counts: list[int], exact: torch.Tensor) -> float:
-    """Chi-square goodness of fit; cells expected fewer than 5 times are pooled into one
-    (the test's approximation needs it: one draw in a cell expected 0.01 times is no evidence)."""
-    law = exact.double() / exact.double().sum()
-    expected = (law * sum(counts)).tolist()
-    big = [i for i, e in enumerate(expected) if e >= 5]
-    small = [i for i, e in enumerate(expected) if e < 5]
-    observed = [counts[i] for i in big] + ([sum(counts[i] for i in small)] if small else [])
-    wanted = [expected[i] for i in big] + ([sum(expected[i] for i in small)] if small else [])
-    return float(stats.chisquare(observed, wanted).pvalue)
-
-
 def test_speculative_sampling_matches_target_distribution() -> None:
     counts, exact = _two_tokens(sampling.num_accepted, trials=20_000)
-    assert _p_value(counts, exact) > ALPHA
+    assert p_value(counts, exact) > ALPHA
 
 
 def test_statistical_test_catches_a_broken_acceptance_rule() -> None:
     """The test above has power: accepting every drafted token (output ~ q) fails it."""
     counts, exact = _two_tokens(lambda p, q, u: len(p), trials=20_000)
-    assert _p_value(counts, exact) < ALPHA
+    assert p_value(counts, exact) < ALPHA
 
 
 def test_statistical_test_catches_a_subtly_wrong_acceptance_rule() -> None:
     """Accepting with probability min(1, p) instead of min(1, p/q) also fails."""
     counts, exact = _two_tokens(lambda p, q, u: sampling.num_accepted(p, [1.0] * len(p), u),
                                 trials=20_000)
-    assert _p_value(counts, exact) < ALPHA
+    assert p_value(counts, exact) < ALPHA
 
 
 def _three_tokens(trials: int, support: int = VOCAB, sample_from_truncated: bool = True,
@@ -235,7 +209,7 @@ def _three_tokens(trials: int, support: int = VOCAB, sample_from_truncated: bool
 
 def test_the_bonus_token_follows_the_target() -> None:
     counts, exact = _three_tokens(trials=20_000)
-    assert _p_value(counts, exact) > ALPHA
+    assert p_value(counts, exact) > ALPHA
 
 
 def test_statistical_test_catches_a_bonus_from_the_wrong_position() -> None:
@@ -247,17 +221,17 @@ def test_statistical_test_catches_a_bonus_from_the_wrong_position() -> None:
         return dataclasses.replace(scored, bonus_token_id=int(sampling.sample(target[-2][None], rng)[0]))
 
     counts, exact = _three_tokens(trials=20_000, score=bonus_from_p_k)
-    assert _p_value(counts, exact) < ALPHA
+    assert p_value(counts, exact) < ALPHA
 
 
 def test_a_truncated_draft_distribution_stays_exact() -> None:
     counts, exact = _three_tokens(trials=20_000, support=2)
-    assert _p_value(counts, exact) > ALPHA
+    assert p_value(counts, exact) > ALPHA
 
 
 def test_statistical_test_catches_a_draft_that_samples_outside_what_it_sends() -> None:
     counts, exact = _three_tokens(trials=20_000, support=2, sample_from_truncated=False)
-    assert _p_value(counts, exact) < ALPHA
+    assert p_value(counts, exact) < ALPHA
 
 
 def test_seeded_sampling_is_deterministic() -> None:
@@ -320,7 +294,7 @@ def _tree_two_tokens(trials: int, verify: object = sampling.verify_tree) -> tupl
 
 def test_tree_verification_matches_target_distribution() -> None:
     counts, exact = _tree_two_tokens(trials=20_000)
-    assert _p_value(counts, exact) > ALPHA
+    assert p_value(counts, exact) > ALPHA
 
 
 def test_tree_statistical_test_catches_always_keeping_the_first_candidate() -> None:
@@ -328,7 +302,7 @@ def test_tree_statistical_test_catches_always_keeping_the_first_candidate() -> N
         return sampling.TreeVerdict((0,), int(sampling.sample(probs[1][None], rng)[0]))
 
     counts, exact = _tree_two_tokens(trials=20_000, verify=keep_first)
-    assert _p_value(counts, exact) < ALPHA
+    assert p_value(counts, exact) < ALPHA
 
 
 # Mutants of verify_tree itself, each one line of its walk broken (tests/mutants.py).
@@ -349,7 +323,7 @@ TREE_MUTANTS = {
 @pytest.mark.parametrize("edit", TREE_MUTANTS.values(), ids=TREE_MUTANTS.keys())
 def test_tree_statistical_test_catches_a_broken_verify_tree(edit: tuple[str, str]) -> None:
     counts, exact = _tree_two_tokens(trials=20_000, verify=mutant(sampling.verify_tree, *edit))
-    assert _p_value(counts, exact) < ALPHA
+    assert p_value(counts, exact) < ALPHA
 
 
 @pytest.mark.parametrize("temperature", [1.401298464324817e-45, 1e-30, 1e-8])
