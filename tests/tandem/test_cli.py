@@ -168,3 +168,33 @@ def test_a_draft_that_refuses_the_requests_ids_is_logged_as_such_and_output_stay
         assert not any("no draft replica left" in line for line in stack.orchestrator.lines)
     finally:
         stack.stop()
+
+
+def test_tandem_up_says_where_its_logs_are_and_that_it_stops(
+        tmp_path: Path, tiny_draft: Path, tiny_target: Path) -> None:
+    # It used to swallow the services' logs and print nothing on the way out.
+    logs = tmp_path / "logs"
+    up = subprocess.Popen(
+        [sys.executable, "-m", "tandem.cli", "up", "--draft", str(tiny_draft), "--target",
+         str(tiny_target), "--port", "0", "--dtype", "float32", "--log-dir", str(logs)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    try:
+        assert up.stdout is not None
+        for line in up.stdout:
+            lines.append(line)
+            if line.startswith("Tandem is ready"):
+                break
+        assert any(line.startswith("Tandem is ready") for line in lines), "".join(lines)
+        assert any(str(logs) in line for line in lines)
+        for role in ("draft", "target", "orchestrator"):
+            assert any(line.strip().startswith(f"{role} ready") for line in lines), "".join(lines)
+            assert "listening on" in (logs / f"{role}.log").read_text()
+        up.send_signal(signal.SIGINT)
+        rest, _ = up.communicate(timeout=120)
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+    assert "stopping..." in rest and rest.rstrip().endswith("stopped"), rest
+    assert "Traceback" not in rest
