@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+
+from fakes import Output, stop
 
 from tandem.launch import start_stack
 
@@ -63,37 +67,51 @@ def test_a_failed_start_stops_the_services_already_started(tiny_draft: Path, tin
     assert _children(os.getpid()) == before, "the draft and target were left running"
 
 
-def _tandem_up(tiny_draft: Path, tiny_target: Path) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "tandem.cli", "up", "--draft", str(tiny_draft),
-                             "--target", str(tiny_target), "--port", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def test_sigterm_while_tandem_up_starts_stops_every_service(tiny_draft: Path, tiny_target: Path) -> None:
-    """`kill`, `docker stop` or systemd during the minutes the models load."""
-    up = _tandem_up(tiny_draft, tiny_target)
+@contextlib.contextmanager
+def _tandem_up(tiny_draft: Path, tiny_target: Path,
+               log_dir: Path) -> Iterator[tuple[subprocess.Popen[str], Output]]:
+    """`tandem up` on the tiny pair, in a process group of its own: on the way out, whatever
+    the test left of it and of the services it started is killed."""
+    up = subprocess.Popen([sys.executable, "-m", "tandem.cli", "up", "--draft", str(tiny_draft),
+                           "--target", str(tiny_target), "--port", "0",
+                           "--log-dir", str(log_dir)],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          start_new_session=True)
     assert up.stdout is not None
-    for line in up.stdout:  # the replicas are spawned; the orchestrator waits for them
-        if "loading models" in line:
-            break
-    while len(kids := _children(up.pid)) < 2:
+    try:
+        yield up, Output(up.stdout)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(up.pid, signal.SIGKILL)
+        up.wait()
+
+
+def _wait_for_children(pid: int, count: int, timeout: float = 120.0) -> set[int]:
+    deadline = time.monotonic() + timeout
+    while len(kids := _children(pid)) < count:
+        assert time.monotonic() < deadline, f"{pid} started {len(kids)} of {count} services"
         time.sleep(0.05)
-    up.send_signal(signal.SIGTERM)
-    up.communicate(timeout=60)
-    assert up.returncode != 0
-    assert not _alive(kids), "services outlived tandem up"
+    return kids
 
 
-def test_tandem_up_exits_nonzero_when_a_service_dies(tiny_draft: Path, tiny_target: Path) -> None:
-    up = _tandem_up(tiny_draft, tiny_target)
-    assert up.stdout is not None
-    for line in up.stdout:
-        if "Tandem is ready" in line:
-            break
-    kids = _children(up.pid)
-    target = next(k for k in kids if b"target-service" in (Path("/proc") / str(k) / "cmdline").read_bytes())
-    os.kill(target, signal.SIGKILL)
-    output = up.communicate(timeout=60)[0]
-    assert "a service exited" in output
-    assert up.returncode != 0, "a crashed stack must not look like a clean exit"
-    assert not _alive(kids)
+def test_sigterm_while_tandem_up_starts_stops_every_service(tiny_draft: Path, tiny_target: Path,
+                                                            tmp_path: Path) -> None:
+    """`kill`, `docker stop` or systemd during the minutes the models load."""
+    with _tandem_up(tiny_draft, tiny_target, tmp_path) as (up, output):
+        output.wait_for("loading models")  # the replicas are spawned; the orchestrator waits for them
+        kids = _wait_for_children(up.pid, 2)
+        assert stop(up, timeout=60) != 0
+        assert not _alive(kids), "services outlived tandem up"
+
+
+def test_tandem_up_exits_nonzero_when_a_service_dies(tiny_draft: Path, tiny_target: Path,
+                                                     tmp_path: Path) -> None:
+    with _tandem_up(tiny_draft, tiny_target, tmp_path) as (up, output):
+        output.wait_for("Tandem is ready")
+        kids = _children(up.pid)
+        target = next(k for k in kids if b"target-service" in (Path("/proc") / str(k) / "cmdline").read_bytes())
+        os.kill(target, signal.SIGKILL)
+        assert up.wait(timeout=60) != 0, "a crashed stack must not look like a clean exit"
+        output.closed.wait(timeout=10)
+        assert "the target service exited" in output.text
+        assert not _alive(kids)
