@@ -344,8 +344,16 @@ def test_lost_target_replica_gives_unavailable(tiny_draft: Path, tiny_target: Pa
 
 
 def test_client_deadline_gives_deadline_exceeded(tiny_stack: Stack) -> None:
+    """The target is frozen (SIGSTOP) for the call, so no machine finishes it in time."""
+    import signal
+
+    target = tiny_stack.targets[0].proc
     with tiny_stack.client() as client:
-        with pytest.raises(grpc.RpcError) as err:
-            client.generate(PROMPTS[0], max_new_tokens=400, ignore_eos=True, timeout=0.3)
+        target.send_signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(grpc.RpcError) as err:
+                client.generate(PROMPTS[0], max_new_tokens=3, ignore_eos=True, timeout=1.0)
+        finally:
+            target.send_signal(signal.SIGCONT)
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         assert client.generate(PROMPTS[0], max_new_tokens=3).usage.completion_tokens == 3
