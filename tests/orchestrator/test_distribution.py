@@ -1,64 +1,128 @@
 """Sampled output through the three services follows the target-only distribution.
 
-A 4-token vocabulary makes the exact law of the first three generated tokens
-computable (64 cells). The orchestrator's first step is the target alone (it
-prefills both caches), so speculation decides tokens 2 and 3: each request asks for 4
-tokens, so the second step may draft k=2 (a block never runs past what can be committed,
-and with 3 tokens it would be capped at 1); Medusa verifies the heads' 14-node tree. Chi-square test, false-alarm rate ALPHA; the core test
-(tests/tandem/test_sampling.py) shows the same test fails for broken acceptance rules.
+A 6-token vocabulary (EOS, unk, a-d) makes the exact law of the first three generated tokens
+computable (216 cells). The orchestrator's first step is the target alone (it prefills both
+caches), so speculation decides tokens 2 and 3: each request asks for 4 tokens, so the second
+step may draft k=2 (a block never runs past what can be committed, and with 3 tokens it would
+be capped at 1); Medusa verifies the heads' 14-node tree. Chi-square test, false-alarm rate
+ALPHA (tests/laws.py).
+
+The setting is chosen for power, not only for a pass. The target is not peaked (the default
+init_std), so the law spreads over many cells even truncated: temperature 1.5 then top-k 5 then
+top-p 0.9 keeps about 3.5 of 6 tokens a row (46 cells with mass). The draft is far enough from
+the target that a wrong acceptance or recovery rule moves that law by a total variation of
+0.04-0.29. The replay tests below show the same test, on the same law and sample size,
+rejecting the pipeline with a broken rule: a test that cannot fail proves nothing.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
-from scipy import stats
+from laws import p_value, warped_by_transformers
+from mutants import mutant
 from tiny import make_draft_like, make_medusa_heads, make_model
 from transformers import AutoModelForCausalLM
 
+from orchestrator.proposers import lookup
 from tandem import sampling
 from tandem.launch import Stack, start_stack
 
 ALPHA = 1e-3
 SAMPLES = 3000
 PROMPT = [2, 3, 2]
-VOCAB = 4
+VOCAB = 6
+MAX_NEW_TOKENS, K = 4, 2  # each request; k of its blocks
+LOOKUP_NGRAMS = (1, 3)  # prompt lookup matches a single token too, so it proposes often
+
+Rows = dict[tuple[int, ...], torch.Tensor]  # continuation of PROMPT -> the next token's probs [vocab]
 
 
 @pytest.fixture(scope="module")
-def small_vocab(tiny_dir: Path) -> Iterator[tuple[Path, Stack]]:
-    target = make_model(tiny_dir / "v4-target", seed=11, chars="ab", init_std=0.5)
-    draft = make_draft_like(target, tiny_dir / "v4-draft", noise=0.5, seed=12)
+def small_models(tiny_dir: Path) -> tuple[Path, Path]:
+    """(target, draft) over the 6-token vocabulary."""
+    target = make_model(tiny_dir / "v6-target", seed=11, chars="abcd")
+    return target, make_draft_like(target, tiny_dir / "v6-draft", noise=0.5, seed=12)
+
+
+@pytest.fixture(scope="module")
+def small_vocab(tiny_dir: Path, small_models: tuple[Path, Path]) -> Iterator[tuple[Path, Stack]]:
+    target, draft = small_models
     # Heads trained on the target's sampled text: the tree holds likely and unlikely tokens.
-    heads = make_medusa_heads(target, tiny_dir / "v4-medusa", temperature=1.0, num_prompts=128,
+    heads = make_medusa_heads(target, tiny_dir / "v6-medusa", temperature=1.0, num_prompts=128,
                               epochs=2)
-    # min n-gram 1: prompt lookup proposes from a single matching token, so it proposes often.
     # Lookahead N=3: its pool is first harvested after the second pass, so it verifies token 3.
     stack = start_stack(str(draft), str(target),
                         target_args=["--lookahead", "4,3,4", "--medusa-heads", str(heads)],
-                        orchestrator_args=["--prompt-lookup-min-ngram", "1"])
+                        orchestrator_args=["--prompt-lookup-min-ngram", str(LOOKUP_NGRAMS[0]),
+                                           "--prompt-lookup-max-ngram", str(LOOKUP_NGRAMS[1])])
     yield target, stack
     stack.stop()
 
 
-def exact_law(target: Path, params: sampling.SamplingParams) -> torch.Tensor:
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    law = torch.zeros(VOCAB, VOCAB, VOCAB, dtype=torch.float64)
+@functools.cache
+def continuation_logits(model_path: Path) -> tuple[list[tuple[int, ...]], torch.Tensor]:
+    """Every continuation of PROMPT by 3 tokens, and the logits after each of its prefixes
+    (lengths 0-3): [VOCAB**3, 4, vocab], from one plain forward pass of the model."""
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    continuations = list(itertools.product(range(VOCAB), repeat=3))
+    ids = torch.tensor([PROMPT + list(c) for c in continuations])
     with torch.inference_mode():
-        for t1, t2 in itertools.product(range(VOCAB), repeat=2):
-            logits = model(torch.tensor([PROMPT + [t1, t2]])).logits[0, -3:]
-            p = sampling.probabilities(logits, params).double()
-            law[t1, t2] = p[0, t1] * p[1, t2] * p[2]
+        return continuations, model(ids).logits[:, -4:]
+
+
+def rows(model_path: Path, params: sampling.SamplingParams) -> Rows:
+    """The model's next-token distribution under `params` after every continuation of up to 3 tokens."""
+    continuations, logits = continuation_logits(model_path)
+    probs = sampling.probabilities(logits.reshape(-1, VOCAB), params).reshape(logits.shape).double()
+    return {c[:n]: probs[i, n] for i, c in enumerate(continuations) for n in range(4)}
+
+
+def exact_law(target: Rows) -> torch.Tensor:
+    """The target-only law of the first three tokens, flat [VOCAB**3]."""
+    law = torch.zeros(VOCAB, VOCAB, VOCAB, dtype=torch.float64)
+    for t1, t2 in itertools.product(range(VOCAB), repeat=2):
+        law[t1, t2] = target[()][t1] * target[(t1,)][t2] * target[(t1, t2)]
     return law.reshape(-1)
 
 
+def cell(tokens: list[int]) -> int:
+    return (tokens[0] * VOCAB + tokens[1]) * VOCAB + tokens[2]
+
+
 T1 = sampling.SamplingParams(temperature=1.0)
-TRUNCATED = sampling.SamplingParams(temperature=0.8, top_k=3, top_p=0.9)
+TRUNCATED = sampling.SamplingParams(temperature=1.5, top_k=5, top_p=0.9)
+PARAMS_ID = {T1: "t1", TRUNCATED: "t1.5-topk5-topp0.9"}
+
+
+def test_truncated_setting_really_truncates(small_models: tuple[Path, Path]) -> None:
+    """Top-k and top-p each cut tokens in TRUNCATED, and the law still spreads over many cells."""
+    target, _ = small_models
+    sizes = [sum(int((row > 0).sum()) for row in rows(target, params).values())
+             for params in (sampling.SamplingParams(temperature=TRUNCATED.temperature),
+                            sampling.SamplingParams(temperature=TRUNCATED.temperature, top_k=TRUNCATED.top_k),
+                            TRUNCATED)]
+    assert sizes[0] > sizes[1] > sizes[2]
+    assert int((exact_law(rows(target, TRUNCATED)) > 0).sum()) >= 40
+
+
+@pytest.mark.parametrize("params", [T1, TRUNCATED], ids=PARAMS_ID.get)
+def test_exact_law_agrees_with_transformers_warpers(small_models: tuple[Path, Path],
+                                                    params: sampling.SamplingParams) -> None:
+    """The law is built with Tandem's own probabilities(): check it on the same logits against
+    an independent reference, transformers' temperature, top-k and top-p warpers."""
+    _, logits = continuation_logits(small_models[0])
+    ours = sampling.probabilities(logits.reshape(-1, VOCAB), params)
+    reference = warped_by_transformers(logits.reshape(-1, VOCAB), params)
+    assert torch.equal(ours > 0, reference > 0), "a different set of tokens was kept"
+    assert torch.allclose(ours, reference, atol=1e-6)
 
 
 @pytest.mark.parametrize("params, proposer", [
@@ -67,38 +131,106 @@ TRUNCATED = sampling.SamplingParams(temperature=0.8, top_k=3, top_p=0.9)
     # NOTE: Medusa in one setting only: each costs ~40 s of requests through real processes;
     # the tree rule itself is tested against exact laws in tests/tandem/test_sampling.py.
     (T1, "medusa"),
-], ids=lambda v: v if isinstance(v, str) else "t1" if v == T1 else "t0.8-topk3-topp0.9")
+], ids=lambda v: v if isinstance(v, str) else PARAMS_ID[v])
 def test_speculative_sampling_matches_target_law(small_vocab: tuple[Path, Stack],
                                                  params: sampling.SamplingParams, proposer: str) -> None:
     target, stack = small_vocab
-    law = exact_law(target, params)
+    law = exact_law(rows(target, params))
     with stack.client() as client:
-        def draw(seed: int) -> tuple[int, int]:
-            reply = client.generate(PROMPT, max_new_tokens=4, temperature=params.temperature,
+        def draw(seed: int) -> tuple[int, int, int]:
+            reply = client.generate(PROMPT, max_new_tokens=MAX_NEW_TOKENS, temperature=params.temperature,
                                     top_k=params.top_k, top_p=params.top_p, seed=seed,
-                                    num_speculative_tokens=2, proposer=proposer, ignore_eos=True)
-            t = list(reply.token_ids)
+                                    num_speculative_tokens=K, proposer=proposer, ignore_eos=True)
             usage = reply.usage
-            return t[0] * VOCAB * VOCAB + t[1] * VOCAB + t[2], usage.accepted_tokens, usage.drafted_tokens
+            return cell(list(reply.token_ids)), usage.accepted_tokens, usage.drafted_tokens
 
         with ThreadPoolExecutor(max_workers=8) as pool:
             results = list(pool.map(draw, range(SAMPLES)))
     accepted, drafted = sum(r[1] for r in results), sum(r[2] for r in results)
-    assert 0 < accepted <= drafted
+    # Speculation really accepted and rejected tokens.
+    assert 0 < accepted < drafted
     if proposer == "draft-model":
-        assert drafted >= 2 * SAMPLES  # every request's second step verified a 2-token block
-    if params.top_p == 1.0:
-        # Speculation really accepted and rejected tokens. (Under top-p 0.9 this tiny model's
-        # law is often one-hot where prompt lookup finds a match, so it may accept them all.)
-        assert accepted < drafted
-    counts = torch.bincount(torch.tensor([r[0] for r in results]), minlength=VOCAB**3).double()
-    expected = law * SAMPLES
-    # Pool the cells expected below 5 so the chi-square approximation holds.
-    small = expected < 5
-    observed = torch.cat([counts[~small], counts[small].sum()[None]])
-    wanted = torch.cat([expected[~small], expected[small].sum()[None]])
-    keep = wanted > 0
-    assert observed[~keep].sum() == 0, "a token outside the target's support was sampled"
-    wanted = wanted[keep] * (observed.sum() / wanted[keep].sum())
-    p_value = stats.chisquare(observed[keep].tolist(), wanted.tolist()).pvalue
-    assert p_value > ALPHA
+        assert drafted >= K * SAMPLES  # every request's second step verified a 2-token block
+    counts = torch.bincount(torch.tensor([r[0] for r in results]), minlength=VOCAB**3)
+    assert p_value(counts, law) > ALPHA
+
+
+# --- Power: the same test rejects the pipeline with a broken rule ---------------------------------
+#
+# The services run in their own processes, so a broken rule cannot be patched into them.
+# Instead the orchestrator's steps are replayed in process with Tandem's own sampling
+# functions over the models' exact rows (the draft samples from its rows as the draft
+# service does; prompt lookup is the orchestrator's own `lookup`), at the service test's
+# sample size. The exact rules must pass, so the replay is faithful; each mutant, the
+# production function with one line broken (tests/mutants.py), must be rejected.
+
+REPLAY_MUTANTS: dict[str, tuple[Callable[..., Any], str, str]] = {
+    # Keep x with probability min(1, p(x)), not min(1, p(x)/q(x)).
+    "accept-min1-p": (sampling.num_accepted, "u * q < p", "u < p"),
+    # The recovered token drawn from p, not from norm(max(0, p - q)).
+    "recovered-from-p": (sampling.score_block, "(target_probs[:k] - draft).clamp_min(0.0)",
+                         "target_probs[:k]"),
+}
+
+
+def replay(target: Rows, draft: Rows, proposer: str, trials: int, *,
+           num_accepted: Callable[..., int] = sampling.num_accepted,
+           score_block: Callable[..., sampling.ScoredBlock] = sampling.score_block) -> torch.Tensor:
+    """Cell counts of the first three tokens of `trials` requests, each step as the services take it."""
+    rng = torch.Generator().manual_seed(0)
+    counts = torch.zeros(VOCAB**3, dtype=torch.long)
+    for _ in range(trials):
+        history: list[int] = []
+        while len(history) < 3:
+            # The first step is the target alone; a block never runs past what can be committed.
+            k = min(K, MAX_NEW_TOKENS - len(history) - 1) if history else 0
+            drafted: list[int] = []
+            dists: list[sampling.SparseDistribution] = []
+            if proposer == "draft-model":
+                for _ in range(k):
+                    # The draft's support cap (8 by default) is above the vocabulary: q is sent whole.
+                    ids, probs = sampling.truncate(draft[tuple(history + drafted)].float(), VOCAB)
+                    drafted.append(int(ids[sampling.sample(probs[None], rng)[0]]))
+                    dists.append(sampling.SparseDistribution(tuple(ids.tolist()), tuple(probs.tolist())))
+            elif k:
+                drafted = lookup(PROMPT + history, k, *LOOKUP_NGRAMS)
+                dists = [sampling.SparseDistribution((t,), (1.0,)) for t in drafted]
+            target_probs = torch.stack([target[tuple(history + drafted[:i])] for i in range(len(drafted) + 1)])
+            scored = score_block(target_probs.float(), drafted, dists, rng)
+            draft_probs = [d.probs[d.token_ids.index(x)] for d, x in zip(dists, drafted, strict=True)]
+            uniforms = torch.rand(len(drafted), generator=rng, dtype=torch.float64).tolist()
+            accepted = num_accepted(scored.target_probs, draft_probs, uniforms)
+            history += sampling.commit(drafted, scored, accepted)
+        counts[cell(history)] += 1
+    return counts
+
+
+@pytest.fixture(scope="module")
+def model_rows(small_models: tuple[Path, Path]) -> dict[sampling.SamplingParams, tuple[Rows, Rows]]:
+    target, draft = small_models
+    return {params: (rows(target, params), rows(draft, params)) for params in (T1, TRUNCATED)}
+
+
+@pytest.mark.parametrize("params", [T1, TRUNCATED], ids=PARAMS_ID.get)
+@pytest.mark.parametrize("proposer", ["draft-model", "prompt-lookup"])
+def test_replay_with_the_exact_rules_matches_target_law(
+        model_rows: dict[sampling.SamplingParams, tuple[Rows, Rows]],
+        params: sampling.SamplingParams, proposer: str) -> None:
+    target, draft = model_rows[params]
+    assert p_value(replay(target, draft, proposer, SAMPLES), exact_law(target)) > ALPHA
+
+
+@pytest.mark.parametrize("params", [T1, TRUNCATED], ids=PARAMS_ID.get)
+@pytest.mark.parametrize("proposer, broken", [
+    ("draft-model", "accept-min1-p"),
+    ("draft-model", "recovered-from-p"),
+    # NOTE: not accept-min1-p: with a one-hot q, min(1, p) is the exact rule.
+    ("prompt-lookup", "recovered-from-p"),
+])
+def test_law_test_catches_a_broken_rule(model_rows: dict[sampling.SamplingParams, tuple[Rows, Rows]],
+                                        params: sampling.SamplingParams, proposer: str, broken: str) -> None:
+    target, draft = model_rows[params]
+    function, original, replacement = REPLAY_MUTANTS[broken]
+    counts = replay(target, draft, proposer, SAMPLES,
+                    **{function.__name__: mutant(function, original, replacement)})
+    assert p_value(counts, exact_law(target)) < ALPHA
