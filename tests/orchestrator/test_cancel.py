@@ -1,12 +1,21 @@
 """A client that cancels or vanishes mid-generation leaves nothing behind: both replicas'
 sessions and KV gauges return to where they were. Polled with a generous timeout; no timing
-asserts."""
+asserts.
+
+Each request asks for 480 tokens at k=4, and the target is frozen (SIGSTOP) from the first
+delta until the client has gone: no request can finish first, whatever the machine's speed.
+Afterwards the target's step count shows that the generation stopped, rather than ran on to
+its end and freed its sessions that way.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import grpc
 
@@ -15,16 +24,37 @@ from tandem.server import CHANNEL_OPTIONS
 from tandem.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
 GAUGES = ("tandem_sessions_active", "tandem_kv_cached_tokens")
+LENGTH, K = 480, 4
+STEPS = "target tandem_replica_step_duration_seconds_count"
+# Target passes one whole request takes at the least: every drafted token accepted, plus a bonus.
+STEPS_TO_FINISH = LENGTH // (K + 1)
 
 
 def replica_state(stack: Stack) -> dict[str, float]:
-    """Open sessions, cached tokens and sessions ever opened, per replica."""
+    """Open sessions, cached tokens, sessions ever opened and steps served, per replica."""
     state = {}
     for role, replica in (("draft", stack.drafts[0]), ("target", stack.targets[0])):
         samples = replica.metrics()
-        for name in (*GAUGES, "tandem_sessions_total"):
+        for name in (*GAUGES, "tandem_sessions_total", "tandem_replica_step_duration_seconds_count"):
             state[f"{role} {name}"] = samples.get(name, 0.0)
     return state
+
+
+@contextlib.contextmanager
+def frozen(stack: Stack) -> Iterator[None]:
+    """The target replica stopped (SIGSTOP): no step of any request completes until the end."""
+    target = stack.targets[0].proc
+    target.send_signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        target.send_signal(signal.SIGCONT)
+
+
+def assert_stopped_early(state: dict[str, float], baseline: dict[str, float], requests: int) -> None:
+    """Fewer target steps than one request needed to finish: none of them ran on to its end."""
+    steps = state[STEPS] - baseline[STEPS]
+    assert steps < STEPS_TO_FINISH, f"{steps} target steps for {requests} cancelled requests"
 
 
 def wait_for_baseline(stack: Stack, baseline: dict[str, float], timeout: float = 60.0) -> dict[str, float]:
@@ -39,8 +69,8 @@ def wait_for_baseline(stack: Stack, baseline: dict[str, float], timeout: float =
 
 
 def request(prompt: str) -> orchestrator_pb2.GenerateRequest:
-    return orchestrator_pb2.GenerateRequest(prompt=prompt, max_new_tokens=480, ignore_eos=True,
-                                            num_speculative_tokens=4)
+    return orchestrator_pb2.GenerateRequest(prompt=prompt, max_new_tokens=LENGTH, ignore_eos=True,
+                                            num_speculative_tokens=K)
 
 
 def test_cancelled_streams_free_their_sessions(tiny_stack: Stack) -> None:
@@ -50,15 +80,15 @@ def test_cancelled_streams_free_their_sessions(tiny_stack: Stack) -> None:
         calls = [stub.Generate(request(p), timeout=120) for p in ("a", "hello", "def f(x):", "x = 1")]
         for call in calls:
             assert next(call).HasField("delta")  # generating
-        for call in calls:
-            call.cancel()
-        codes = {call.code() for call in calls}
-        # A stream that raced to its end before the cancel reached it is OK, not a failure.
-        assert grpc.StatusCode.CANCELLED in codes <= {grpc.StatusCode.CANCELLED, grpc.StatusCode.OK}
+        with frozen(tiny_stack):
+            for call in calls:
+                call.cancel()
+            assert {call.code() for call in calls} == {grpc.StatusCode.CANCELLED}
+        state = wait_for_baseline(tiny_stack, baseline)
+        assert_stopped_early(state, baseline, len(calls))
         # The orchestrator keeps serving.
         reply = stub.GenerateUnary(orchestrator_pb2.GenerateUnaryRequest(prompt="a", max_new_tokens=2))
         assert reply.usage.completion_tokens == 2
-    state = wait_for_baseline(tiny_stack, baseline)
     for role in ("draft", "target"):  # each cancelled request (fixed k=4) opened one on each
         assert state[f"{role} tandem_sessions_total"] >= baseline[f"{role} tandem_sessions_total"] + 4
 
@@ -67,8 +97,8 @@ CLIENT = """
 import sys, grpc
 from tandem.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 stub = orchestrator_pb2_grpc.OrchestratorServiceStub(grpc.insecure_channel(sys.argv[1]))
-stream = stub.Generate(orchestrator_pb2.GenerateRequest(prompt="hello", max_new_tokens=480,
-                                                        ignore_eos=True))
+stream = stub.Generate(orchestrator_pb2.GenerateRequest(prompt="hello", max_new_tokens=int(sys.argv[2]),
+                                                        ignore_eos=True, num_speculative_tokens=int(sys.argv[3])))
 next(stream)
 print("streaming", flush=True)
 sys.stdin.read()  # until killed
@@ -77,17 +107,19 @@ sys.stdin.read()  # until killed
 
 def test_a_client_that_dies_mid_stream_frees_its_sessions(tiny_stack: Stack) -> None:
     baseline = replica_state(tiny_stack)
-    clients = [subprocess.Popen([sys.executable, "-c", CLIENT, tiny_stack.address],
+    clients = [subprocess.Popen([sys.executable, "-c", CLIENT, tiny_stack.address, str(LENGTH), str(K)],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
                for _ in range(3)]
     try:
         for client in clients:
             assert client.stdout is not None and client.stdout.readline().strip() == "streaming"
     finally:
-        for client in clients:
-            client.kill()  # no goodbye: the connection just drops
-            client.wait()
+        with frozen(tiny_stack):
+            for client in clients:
+                client.kill()  # no goodbye: the connection just drops
+                client.wait()
     state = wait_for_baseline(tiny_stack, baseline)
+    assert_stopped_early(state, baseline, len(clients))
     assert state["target tandem_sessions_total"] >= baseline["target tandem_sessions_total"] + 3
     with tiny_stack.client() as client:
         assert client.generate("hello", max_new_tokens=3).usage.completion_tokens == 3
@@ -99,16 +131,20 @@ def test_client_streams_can_be_cancelled_and_end_with_their_with_block(tiny_stac
     sessions and KV caches until the iterator happens to be garbage-collected."""
     baseline = replica_state(tiny_stack)
     with tiny_stack.client() as client:
-        stream = client.generate_stream("hello", max_new_tokens=480, ignore_eos=True,
-                                        num_speculative_tokens=4, timeout=120)
+        stream = client.generate_stream("hello", max_new_tokens=LENGTH, ignore_eos=True,
+                                        num_speculative_tokens=K, timeout=120)
         assert next(stream).HasField("delta")
-        stream.cancel()
-        wait_for_baseline(tiny_stack, baseline)
-        with client.generate_stream("x = 1", max_new_tokens=480, ignore_eos=True,
-                                    num_speculative_tokens=4, timeout=120) as held:
+        with frozen(tiny_stack):
+            stream.cancel()
+        assert_stopped_early(wait_for_baseline(tiny_stack, baseline), baseline, 1)
+        baseline = replica_state(tiny_stack)
+        with contextlib.ExitStack() as resume, client.generate_stream(
+                "x = 1", max_new_tokens=LENGTH, ignore_eos=True, num_speculative_tokens=K,
+                timeout=120) as held:
             for message in held:
                 assert message.HasField("delta")
+                resume.enter_context(frozen(tiny_stack))  # until after the with block ends the call
                 break
-        wait_for_baseline(tiny_stack, baseline)
+        assert_stopped_early(wait_for_baseline(tiny_stack, baseline), baseline, 1)
         del stream, held  # only now: the streams above were ended while still referenced
         assert client.generate("a", max_new_tokens=2).usage.completion_tokens == 2
