@@ -11,7 +11,7 @@ The setting is chosen for power, not only for a pass. The target is not peaked (
 init_std), so the law spreads over many cells even truncated: temperature 1.5 then top-k 5 then
 top-p 0.9 keeps about 3.5 of 6 tokens a row (46 cells with mass). The draft is far enough from
 the target that a wrong acceptance or recovery rule moves that law by a total variation of
-0.04-0.29. The replay tests below show the same test, on the same law and sample size,
+0.03-0.29. The replay tests below show the same test, on the same law and sample size,
 rejecting the pipeline with a broken rule: a test that cannot fail proves nothing.
 """
 
