@@ -32,9 +32,14 @@ def p_value(counts: Sequence[int] | torch.Tensor, law: torch.Tensor) -> float:
 def warped_by_transformers(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """transformers' own logits warpers, in the order generate() applies them (temperature,
     top-k, top-p), then softmax: logits [n, vocab] -> probs [n, vocab]."""
-    from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+    from transformers import (
+        LogitsProcessor,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
 
-    warpers = [TemperatureLogitsWarper(params.temperature)]
+    warpers: list[LogitsProcessor] = [TemperatureLogitsWarper(params.temperature)]
     if params.top_k:
         warpers.append(TopKLogitsWarper(params.top_k))
     if params.top_p < 1.0:
