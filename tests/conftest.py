@@ -1,12 +1,27 @@
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 sys.path.insert(0, str(Path(__file__).parent))
+
+# Hypothesis' "ci" profile, on every machine and not only where a CI variable is set: the
+# fuzz tries the same cases each run (derandomized), so a failure replays by running again,
+# and print_blob prints a @reproduce_failure line that pins the failing case. To look for
+# new cases instead: HYPOTHESIS_PROFILE=default (random; add --hypothesis-seed=N to repeat).
+HYPOTHESIS_PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
+settings.load_profile(HYPOTHESIS_PROFILE)
+
+
+def pytest_report_header() -> str:
+    how = ("derandomized: a failure replays by running again" if settings().derandomize
+           else "random: replay a run with --hypothesis-seed=N")
+    return f"fuzz: hypothesis profile {HYPOTHESIS_PROFILE!r} ({how}; HYPOTHESIS_PROFILE to change)"
 
 from tiny import greedy_reference, make_draft_like, make_model, make_tokenizer
 
