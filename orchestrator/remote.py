@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -108,8 +108,9 @@ class ReplicaPool:
         if replica.active_sessions == 0:
             self._close(replica)
 
-    def acquire(self) -> Replica:
-        """The least-loaded routable replica, preferring ones that have not just failed."""
+    def acquire(self, tried: Collection[str] = ()) -> Replica:
+        """The least-loaded routable replica, preferring ones that have not just failed, then
+        ones whose address is not in `tried` (those a step has already tried)."""
         routable = [r for r in self.replicas if not r.terminating]
         if not routable:
             state = (f"{len(self.replicas)} known, all terminating" if self.replicas
@@ -117,7 +118,9 @@ class ReplicaPool:
             raise Unavailable(f"no replica is ready to take a new session ({state})")
         now = asyncio.get_running_loop().time()
         healthy = [r for r in routable if r.failed_until <= now]
-        replica = min(healthy or routable, key=lambda r: (r.failed_until, r.active_sessions))
+        # A cooldown that is over counts for nothing: the replica competes on load again.
+        replica = min(healthy or routable, key=lambda r: (
+            r.address in tried, max(r.failed_until, now), r.active_sessions))
         replica.active_sessions += 1
         return replica
 
@@ -199,9 +202,9 @@ class RemoteSession:
     replica: Replica | None = None
     _call: Any = field(default=None, repr=False)
 
-    def _open(self, method: str) -> Any:
+    def _open(self, method: str, tried: Collection[str] = ()) -> Any:
         if self._call is None:
-            self.replica = self.pool.acquire()
+            self.replica = self.pool.acquire(tried)
             timeout = (None if self.deadline is None
                        else max(0.0, self.deadline - asyncio.get_running_loop().time()))
             self._call = getattr(self.replica.stub, method)(timeout=timeout)
@@ -215,25 +218,33 @@ class RemoteSession:
         """
         loop = asyncio.get_running_loop()
         give_up, backoff, attempts, evictions = loop.time() + self.retry_s, 0.05, 0, 0
+        tried: set[str] = set()  # replicas that failed this step for a reason other than eviction
         while True:
-            call = self._open(method)
+            call = self._open(method, tried)
             where = self.replica.address if self.replica else "?"
             request = build(self.synced)
             self.wire_bytes += request.ByteSize()
+            written = False
             try:
                 await call.write(request)
+                written = True
                 response = await call.read()
             except grpc.aio.AioRpcError as exc:
+                code = exc.code()
+                # A stream whose connection is gone before it sees the failure (the replica died
+                # between two steps) fails the write with INTERNAL: the step reached no replica.
+                if code == grpc.StatusCode.INTERNAL and not written:
+                    code = grpc.StatusCode.UNAVAILABLE
                 # Callers see what went wrong downstream, never a bare UNKNOWN.
-                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                     raise DeadlineExceeded("the request's deadline passed while generating") from exc
-                if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                if code == grpc.StatusCode.INVALID_ARGUMENT:
                     raise ReplicaRefused(f"{method} on replica {where} refused this request: "
                                          f"{exc.details()}") from exc
-                if exc.code() not in _REBUILD:
-                    raise Unavailable(f"{method} on replica {where} failed: {exc.code().name}: "
+                if code not in _REBUILD:
+                    raise Unavailable(f"{method} on replica {where} failed: {code.name}: "
                                       f"{exc.details()}") from exc
-                code, problem = exc.code(), f"{exc.code().name}: {exc.details()}"
+                problem = f"{exc.code().name}: {exc.details()}"
             else:
                 if response is not grpc.aio.EOF:
                     self.wire_bytes += response.ByteSize()
@@ -251,6 +262,7 @@ class RemoteSession:
                 evictions += 1
             else:
                 attempts += 1
+                tried.add(where)
             if evictions > _MAX_EVICTIONS_PER_STEP or (attempts > len(self.pool.replicas) and (
                     code in _REPLICA_ALIVE or loop.time() >= give_up)):
                 error = ResourceExhausted if code == grpc.StatusCode.RESOURCE_EXHAUSTED else Unavailable

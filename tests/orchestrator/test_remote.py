@@ -1,0 +1,123 @@
+"""Which replica a lost session is rebuilt on: the cooldown of a failed replica.
+
+The target services are real processes; the pool and the sessions run here, on an event
+loop whose clock the test moves: a replica whose session broke (UNAVAILABLE) is avoided for
+FAILED_COOLDOWN_S and taken again after it; a replica that answered that it is up but full
+(RESOURCE_EXHAUSTED) is not avoided, and the session moves to another one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from pathlib import Path
+
+import grpc
+import pytest
+from tiny import PROMPTS, make_tokenizer
+
+from orchestrator.remote import (
+    EMPTY_BLOCK,
+    FAILED_COOLDOWN_S,
+    TARGET_STUB,
+    ReplicaPool,
+    TargetSession,
+)
+from tandem import sampling
+from tandem.launch import Process, spawn, wait_serving
+from tandem.v1 import target_pb2
+
+
+class ClockLoop(asyncio.SelectorEventLoop):
+    """An event loop whose clock a test can move forward (timers only fire earlier)."""
+
+    offset = 0.0
+
+    def time(self) -> float:
+        return super().time() + self.offset
+
+
+def spawn_target(model: Path, *args: str) -> Process:
+    process = spawn(["target-service", "--model", str(model), "--threads", "1", *args])
+    try:
+        wait_serving(process)
+    except BaseException:
+        process.stop()
+        raise
+    return process
+
+
+def test_a_dead_replica_is_avoided_for_the_cooldown_and_a_full_one_is_not(tiny_target: Path) -> None:
+    history = make_tokenizer().encode(PROMPTS[0])
+    greedy = sampling.SamplingParams()
+    target_a = spawn_target(tiny_target, "--max-sessions", "1")
+    target_b = spawn_target(tiny_target)
+    a, b = target_a.address, target_b.address
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        assert isinstance(loop, ClockLoop)
+        pool = ReplicaPool([a, b], TARGET_STUB)
+        replica_a, replica_b = pool.get(a), pool.get(b)
+        assert replica_a is not None and replica_b is not None
+        try:
+            # A holds its one session: a new session's first choice (A, listed first) is full,
+            # so the step moves to B, and A, which is up, is not avoided.
+            async with grpc.aio.insecure_channel(a) as channel:
+                holder = TARGET_STUB(channel).ScoreBlocks()
+                await holder.write(target_pb2.ScoreBlocksRequest(new_token_ids=history))
+                await holder.read()
+                first = TargetSession(pool, "first", None)
+                await first.score(history, EMPTY_BLOCK, greedy, 1)
+                assert first.replica is replica_b and first.rebuilds == 1
+                assert replica_a.failed_until == 0.0
+                holder.cancel()
+
+            # B dies: the session's next step breaks there, and is rebuilt on A (free again).
+            target_b.proc.send_signal(signal.SIGKILL)
+            target_b.proc.wait()
+            first.advance(len(history), len(history))
+            await first.score(history + [5], EMPTY_BLOCK, greedy, 2)
+            assert first.replica is replica_a and first.rebuilds == 2
+            assert replica_b.failed_until == pytest.approx(loop.time() + FAILED_COOLDOWN_S, abs=1.0)
+
+            # During the cooldown, new sessions avoid B though it is the least loaded...
+            assert (replica_a.active_sessions, replica_b.active_sessions) == (1, 0)
+            assert pool.acquire() is replica_a
+            loop.offset += FAILED_COOLDOWN_S - 1.0
+            assert pool.acquire() is replica_a
+            # ...and after it, B is the least loaded replica again (it may have restarted).
+            loop.offset += 2.0
+            assert pool.acquire() is replica_b
+        finally:
+            await first.close()
+            await pool.close()
+
+    try:
+        with asyncio.Runner(loop_factory=ClockLoop) as runner:
+            runner.run(scenario())
+    finally:
+        target_a.stop()
+        target_b.stop()
+
+
+def test_with_every_replica_cooling_down_the_one_that_failed_first_is_tried() -> None:
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        assert isinstance(loop, ClockLoop)
+        pool = ReplicaPool(["127.0.0.1:1", "127.0.0.1:2"], TARGET_STUB)  # never dialled
+        first, second = pool.replicas
+        pool.mark_failed(first)
+        loop.offset += 1.0
+        pool.mark_failed(second)
+        assert not pool.healthy
+        held = pool.acquire()
+        assert held is first
+        loop.offset += FAILED_COOLDOWN_S - 0.5
+        assert pool.healthy and pool.acquire() is first  # its cooldown is over, the other's is not
+        pool.release(held)
+        await pool.close()
+
+    with asyncio.Runner(loop_factory=ClockLoop) as runner:
+        runner.run(scenario())
+
