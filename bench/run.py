@@ -432,7 +432,7 @@ def main(argv: list[str] | None = None) -> None:
     settings = [s for s in SETTINGS if s.name in args.settings.split(",")]
     torch.set_num_threads(args.threads)
 
-    from orchestrator.service import OrchestratorConfig
+    from orchestrator.config import OrchestratorConfig
 
     k = args.num_speculative_tokens or OrchestratorConfig.num_speculative_tokens
     quantized = args.cheap_draft == "int8-dynamic"

@@ -22,13 +22,12 @@ from typing import Protocol
 from orchestrator.remote import EMPTY_BLOCK, DraftBlock, DraftSession
 from tandem import metrics, sampling
 from tandem.errors import ReplicaRefused, ResourceExhausted, Unavailable
-from tandem.v1 import common_pb2
 
 log = logging.getLogger(__name__)
 
 
 class Proposer(Protocol):
-    kind: int  # common_pb2.Proposer
+    name: str  # its orchestrator.domain.REGISTRY entry
 
     @property
     def wire_bytes(self) -> int:
@@ -51,7 +50,7 @@ class DraftModelProposer:
 
     session: DraftSession
     max_support_size: int
-    kind: int = common_pb2.PROPOSER_DRAFT_MODEL
+    name: str = "draft-model"
     lost: bool = False  # every draft replica failed: the request goes on with the target alone
 
     @property
@@ -109,7 +108,7 @@ class PromptLookupProposer:
 
     min_ngram: int
     max_ngram: int
-    kind: int = common_pb2.PROPOSER_PROMPT_LOOKUP
+    name: str = "prompt-lookup"
     wire_bytes: int = 0
 
     async def get_candidates(self, history: list[int], num_speculative_tokens: int,
@@ -120,7 +119,7 @@ class PromptLookupProposer:
         tokens = lookup(history, num_speculative_tokens, self.min_ngram, self.max_ngram)
         if not tokens:
             return EMPTY_BLOCK
-        one_hot = tuple(common_pb2.SparseDistribution(token_ids=[t], probs=[1.0]) for t in tokens)
+        one_hot = tuple(sampling.SparseDistribution((t,), (1.0,)) for t in tokens)
         return DraftBlock(tuple(tokens), one_hot, (1.0,) * len(tokens), 0,
                           (time.perf_counter() - started) * 1000.0)
 

@@ -12,12 +12,15 @@ import asyncio
 import logging
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import grpc
 
+from orchestrator import wire
+from orchestrator.domain import ModelInfo
 from tandem import metrics, sampling
 from tandem.errors import DeadlineExceeded, ReplicaRefused, ResourceExhausted, Unavailable
+from tandem.models import TokenizerFile
 from tandem.security import ClientTls, aio_channel
 from tandem.server import CHANNEL_OPTIONS
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
@@ -153,15 +156,10 @@ class ReplicaPool:
             await asyncio.gather(*self._closing)
 
 
-def _sampling_proto(params: sampling.SamplingParams) -> common_pb2.SamplingParams:
-    return common_pb2.SamplingParams(temperature=params.temperature, top_k=params.top_k,
-                                     top_p=params.top_p)
-
-
 @dataclass(frozen=True)
 class DraftBlock:
     token_ids: tuple[int, ...]
-    distributions: tuple[common_pb2.SparseDistribution, ...]  # forwarded to the target as is
+    distributions: tuple[sampling.SparseDistribution, ...]  # what each token was drawn from
     draft_probs: tuple[float, ...]  # q_i(x_i)
     cache_length: int
     compute_ms: float
@@ -295,9 +293,9 @@ class DraftSession(RemoteSession):
         response = await self._step("ProposeBlocks", lambda synced: draft_pb2.ProposeBlocksRequest(
             session_id=self.session_id, cache_position=synced,
             new_token_ids=history[synced:], num_speculative_tokens=num_speculative_tokens,
-            sampling=_sampling_proto(params), max_support_size=max_support_size, seed=seed))
-        dists = tuple(response.distributions)
-        probs = tuple(d.probs[list(d.token_ids).index(t)] for t, d in zip(response.token_ids, dists))
+            sampling=wire.sampling_to_proto(params), max_support_size=max_support_size, seed=seed))
+        dists = tuple(wire.distribution_from_proto(d) for d in response.distributions)
+        probs = tuple(d.probs[d.token_ids.index(t)] for t, d in zip(response.token_ids, dists))
         return DraftBlock(tuple(response.token_ids), dists, probs, response.cache_length,
                           response.compute_ms)
 
@@ -313,16 +311,17 @@ class TargetScores:
 
 @dataclass
 class TargetSession(RemoteSession):
-    # A proposer the target runs itself (common_pb2.PROPOSER_LOOKAHEAD, _MEDUSA); 0: none.
-    proposer: int = 0
+    # A proposer the target runs itself ("lookahead", "medusa"); "": none.
+    proposer: str = ""
 
     async def score(self, history: list[int], block: DraftBlock,
                     params: sampling.SamplingParams, seed: int) -> TargetScores:
         response = await self._step("ScoreBlocks", lambda synced: target_pb2.ScoreBlocksRequest(
             session_id=self.session_id, cache_position=synced,
             new_token_ids=history[synced:], draft_token_ids=block.token_ids,
-            draft_distributions=block.distributions, sampling=_sampling_proto(params), seed=seed,
-            target_proposer=cast(common_pb2.Proposer, self.proposer)))
+            draft_distributions=[wire.distribution_to_proto(d) for d in block.distributions],
+            sampling=wire.sampling_to_proto(params), seed=seed,
+            target_proposer=wire.proposer_to_proto(self.proposer)))
         scored = sampling.ScoredBlock(tuple(response.target_probs),
                                       tuple(response.recovered_token_ids), response.bonus_token_id)
         return TargetScores(scored, response.cache_length, response.compute_ms,
@@ -330,7 +329,7 @@ class TargetSession(RemoteSession):
 
 
 async def fetch_model_info(address: str, stub_class: type, wait_s: float,
-                           tls: ClientTls | None = None) -> common_pb2.ModelInfo:
+                           tls: ClientTls | None = None) -> ModelInfo:
     """Wait until the replica's model is loaded (health SERVING), then describe it."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -350,9 +349,27 @@ async def fetch_model_info(address: str, stub_class: type, wait_s: float,
                 raise Unavailable(f"replica {address} did not become SERVING within "
                                   f"{wait_s:.0f}s{last_error}")
             await asyncio.sleep(0.5)
-        response = await stub_class(channel).GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=30)
-        info: common_pb2.ModelInfo = response.info
-        return info
+        try:
+            response = await stub_class(channel).GetModelInfo(common_pb2.GetModelInfoRequest(),
+                                                              timeout=30)
+        except grpc.aio.AioRpcError as exc:
+            raise Unavailable(f"replica {address} cannot describe its model: "
+                              f"{exc.code().name}: {exc.details()}") from exc
+        return wire.model_info_from_proto(response.info)
+
+
+async def fetch_tokenizer(address: str, tls: ClientTls | None = None) -> tuple[TokenizerFile, ...]:
+    """The files of the tokenizer a (SERVING) target replica serves."""
+    async with aio_channel(address, tls, CHANNEL_OPTIONS) as channel:
+        try:
+            response = await target_pb2_grpc.TargetServiceStub(channel).GetTokenizer(
+                target_pb2.GetTokenizerRequest(), timeout=60)
+        except grpc.aio.AioRpcError as exc:
+            hint = (" (a target older than this orchestrator: pass --tokenizer)"
+                    if exc.code() == grpc.StatusCode.UNIMPLEMENTED else "")
+            raise Unavailable(f"target replica {address} cannot serve its tokenizer: "
+                              f"{exc.code().name}: {exc.details()}{hint}") from exc
+    return wire.tokenizer_files_from_proto(response)
 
 
 DRAFT_STUB = draft_pb2_grpc.DraftServiceStub

@@ -11,11 +11,11 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
 
+from orchestrator.domain import Generation, Step
 from orchestrator.policy import CostModel, Speculation
 from orchestrator.proposers import Proposer
 from orchestrator.remote import EMPTY_BLOCK, TargetSession
@@ -23,41 +23,6 @@ from tandem import sampling
 
 A = TypeVar("A")
 B = TypeVar("B")
-
-
-@dataclass(frozen=True)
-class Generation:
-    """A validated generation request."""
-
-    prompt_token_ids: tuple[int, ...]
-    max_new_tokens: int
-    sampling: sampling.SamplingParams
-    seed: int
-    num_speculative_tokens: int  # k (the most k, under the adaptive policy); 0: plain decoding
-    policy: str  # "fixed" or "adaptive" (see orchestrator/policy.py)
-    proposer: int  # common_pb2.Proposer, resolved (never UNSPECIFIED)
-    eos_token_ids: frozenset[int]  # empty when the request ignores EOS
-
-
-@dataclass
-class Usage:
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    drafted_tokens: int = 0
-    accepted_tokens: int = 0
-    rejected_tokens: int = 0  # tested and rejected: at most one per drafted block
-    target_forward_passes: int = 0
-    draft_ms: float = 0.0  # decode steps only
-    target_ms: float = 0.0  # decode steps only
-    prefill_ms: float = 0.0  # wall time of the first step
-    proposer: int = 0  # common_pb2.Proposer the request ran with
-
-
-@dataclass(frozen=True)
-class Step:
-    token_ids: list[int]  # committed this step
-    finished_by_eos: bool
-    accepted: int = 0  # of token_ids, how many were drafted (the rest: recovered or bonus)
 
 
 async def _both(a: Awaitable[A], b: Awaitable[B]) -> tuple[A, B]:
@@ -75,8 +40,8 @@ async def _both(a: Awaitable[A], b: Awaitable[B]) -> tuple[A, B]:
 
 
 async def speculate(gen: Generation, proposer: Proposer | None, target: TargetSession,
-                    usage: Usage, costs: CostModel) -> AsyncIterator[Step]:
-    """Yield the tokens committed by each step until max_new_tokens or EOS.
+                    costs: CostModel) -> AsyncIterator[Step]:
+    """Yield what each step committed until max_new_tokens or EOS.
 
     `proposer` drafts blocks here (a draft model, prompt lookup); with None the target
     decodes alone, or proposes and verifies a tree itself when `target.proposer` is set.
@@ -84,9 +49,9 @@ async def speculate(gen: Generation, proposer: Proposer | None, target: TargetSe
     history = list(gen.prompt_token_ids)
     rng = torch.Generator().manual_seed(gen.seed)
     policy = Speculation(gen.policy, gen.num_speculative_tokens if proposer else 0, costs)
-    usage.prompt_tokens = len(history)
-    while usage.completion_tokens < gen.max_new_tokens:
-        remaining = gen.max_new_tokens - usage.completion_tokens
+    generated = 0
+    while generated < gen.max_new_tokens:
+        remaining = gen.max_new_tokens - generated
         draft_seed, target_seed = torch.randint(0, 2**62, (2,), generator=rng).tolist()
         started = time.perf_counter()
         prefill, target_synced = target.synced == 0, target.synced
@@ -106,36 +71,30 @@ async def speculate(gen: Generation, proposer: Proposer | None, target: TargetSe
 
         if scores.committed_token_ids:  # the target proposed and verified a tree itself
             new, drafted = list(scores.committed_token_ids), scores.proposed_count
-            accepted = len(new) - 1
+            accepted, rejected = len(new) - 1, 0
         else:
             uniforms = torch.rand(len(block.token_ids), generator=rng, dtype=torch.float64).tolist()
             accepted = sampling.num_accepted(scores.scored.target_probs, block.draft_probs, uniforms)
             new, drafted = sampling.commit(block.token_ids, scores.scored, accepted), len(block.token_ids)
-            usage.rejected_tokens += int(accepted < drafted)
+            rejected = int(accepted < drafted)
 
         if proposer is not None:
             proposer.update_candidate_strategy(block, accepted, len(history))
         target.advance(scores.cache_length, len(history) + accepted)
         step_ms = (time.perf_counter() - started) * 1000.0
-        if prefill:
-            usage.prefill_ms += step_ms
-        else:
-            usage.draft_ms += block.compute_ms
-            usage.target_ms += scores.compute_ms
-            # Not a target's own tree pass: it scores a segment of a width not known here,
-            # and its cost would be filed under its 1-2 new tokens, where the draft policy reads.
-            if not scores.committed_token_ids:
-                policy.observe(len(block.token_ids), accepted, block.compute_ms, scores.compute_ms,
-                               step_ms, len(history) - target_synced + len(block.token_ids))
+        # Not a target's own tree pass: it scores a segment of a width not known here, and its
+        # cost would be filed under its 1-2 new tokens, where the draft policy reads.
+        if not prefill and not scores.committed_token_ids:
+            policy.observe(len(block.token_ids), accepted, block.compute_ms, scores.compute_ms,
+                           step_ms, len(history) - target_synced + len(block.token_ids))
 
         eos_at = next((i for i, t in enumerate(new) if t in gen.eos_token_ids), None)
         new = new[: remaining if eos_at is None else min(eos_at + 1, remaining)]
         history += new
-        usage.completion_tokens += len(new)
-        usage.drafted_tokens += drafted
-        accepted = min(accepted, len(new))  # a tree's path may pass the end
-        usage.accepted_tokens += accepted
-        usage.target_forward_passes += 1
-        yield Step(new, finished_by_eos=eos_at is not None and eos_at < len(new), accepted=accepted)
-        if eos_at is not None and eos_at < len(new):
+        generated += len(new)
+        finished_by_eos = eos_at is not None and eos_at < len(new)
+        yield Step(new, finished_by_eos, accepted=min(accepted, len(new)),  # a tree may pass the end
+                   drafted=drafted, rejected=rejected, prefill=prefill,
+                   draft_ms=block.compute_ms, target_ms=scores.compute_ms, wall_ms=step_ms)
+        if finished_by_eos:
             return

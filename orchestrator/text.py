@@ -59,6 +59,15 @@ class TextStream:
         if new:
             self._commit(new)
 
+    def add_all(self, token_ids: list[int]) -> int:
+        """Append tokens until a stop string completes; how many were kept (through the one
+        that completed it: the rest are cut)."""
+        for i, token_id in enumerate(token_ids):
+            self.add(token_id)
+            if self.stopped:
+                return i + 1
+        return len(token_ids)
+
     def take(self, final: bool = False) -> str:
         """Text not yet returned; holds back a possible stop-string prefix unless final."""
         if final and not self.stopped and self._read_offset < len(self._ids):

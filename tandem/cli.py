@@ -103,9 +103,15 @@ def _serve_orchestrator(args: argparse.Namespace) -> None:
     if token and tls is None:
         log.warning("--auth-token-file without --tls-cert: the token crosses the network in "
                     "plaintext")
+    companions = []
+    if cfg.http_port >= 0:
+        from orchestrator.http import HttpApi
+
+        companions.append(HttpApi(service.engine, cfg.http_port, token, cfg.served_model_name))
     asyncio.run(serve([service], "orchestrator", cfg.host, cfg.port, cfg.grace_s,
                       metrics_port=cfg.metrics_port, tls=tls, auth_token=token,
-                      health_port=cfg.health_port, max_message_bytes=cfg.max_message_bytes))
+                      health_port=cfg.health_port, max_message_bytes=cfg.max_message_bytes,
+                      companions=companions))
 
 
 def _up(args: argparse.Namespace) -> None:
@@ -143,13 +149,17 @@ def _up(args: argparse.Namespace) -> None:
                             target_dtype=target_dtype, threads=0, port=args.port, host=args.host,
                             draft_args=[*device, *(["--quantize", args.draft_quantize]
                                                    if args.draft_quantize else [])],
-                            target_args=device, log_dir=logs, on_ready=ready)
+                            target_args=device, log_dir=logs, on_ready=ready,
+                            orchestrator_args=["--http-port", str(args.http_port)]
+                            if args.http_port >= 0 else [])
     except KeyboardInterrupt:
         print("stopped", flush=True)
         sys.exit(130)
     except RuntimeError as exc:
         sys.exit(f"up: a service failed to start; see {logs}\n{exc}")
-    print(f"Tandem is ready: orchestrator listening on {stack.address}\n"
+    http = stack.orchestrator.wait_http_url() if args.http_port >= 0 else None
+    print(f"Tandem is ready: orchestrator listening on {stack.address} (gRPC)"
+          + (f" and {http}/v1 (OpenAI-compatible HTTP)" if http else "") + "\n"
           f"  try, in another shell: tandem generate --address {stack.address} "
           f"\"def fibonacci(n):\"\n"
           f"  stop with Ctrl-C (or SIGTERM); logs in {logs}", flush=True)
@@ -283,6 +293,9 @@ def _add_up_arguments(up: argparse.ArgumentParser) -> None:
                     help="address the orchestrator binds (the draft and target stay on 127.0.0.1)")
     up.add_argument("--port", type=int, default=os.environ.get("TANDEM_PORT", "50051"),
                     help="orchestrator port [env TANDEM_PORT; default 50051]")
+    up.add_argument("--http-port", type=int, default=8000,
+                    help="port of the OpenAI-compatible HTTP API (0 picks a free one; -1: none; "
+                         "default: %(default)s)")
     up.add_argument("--log-dir", default=str(models.cache_dir() / "logs"),
                     help="where each service's log goes (default: %(default)s)")
 
@@ -343,7 +356,7 @@ def _add_model_service_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_orchestrator_arguments(parser: argparse.ArgumentParser) -> None:
-    from orchestrator.service import OrchestratorConfig
+    from orchestrator.config import OrchestratorConfig
 
     config.add_arguments(parser, OrchestratorConfig)
 

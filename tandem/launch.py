@@ -34,6 +34,23 @@ class Process:
                 return line.rsplit(" ", 1)[1].strip()
         return None
 
+    @property
+    def http_url(self) -> str | None:
+        """http://host:port of the orchestrator's HTTP API, when it serves one (--http-port)."""
+        for line in list(self.lines):
+            if " http on " in line:
+                return "http://" + line.rsplit(" ", 1)[1].strip()
+        return None
+
+    def wait_http_url(self, timeout: float = 30.0) -> str:
+        """http_url, once the log reader has seen it (it follows the "listening on" line)."""
+        deadline = time.monotonic() + timeout
+        while (url := self.http_url) is None:
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                raise RuntimeError(f"{self.address} serves no HTTP API:\n{''.join(self.lines)}")
+            time.sleep(0.05)
+        return url
+
     def metrics(self, timeout: float = 10.0) -> dict[str, float]:
         """Scrape the metrics endpoint: each sample name, summed over its labels."""
         deadline = time.monotonic() + timeout
@@ -172,9 +189,10 @@ def start_stack(draft_model: str | None, target_model: str, *, num_drafts: int =
                          *draft_args]) for _ in range(num_drafts)] if draft_model else []
         targets = [start(["target-service", "--model", target_model, "--dtype", target_dtype, *common,
                           *target_args]) for _ in range(num_targets)]
+        # No --tokenizer: the orchestrator loads the one the target serves.
         orch = start(["orchestrator", "--draft", ",".join(p.address for p in drafts),
-                      "--target", ",".join(p.address for p in targets), "--tokenizer", target_model,
-                      *orchestrator_args], port=port, host=host)
+                      "--target", ",".join(p.address for p in targets), *orchestrator_args],
+                     port=port, host=host)
         for name, p in started:
             wait_serving(p, tls=tls)
             if on_ready is not None:

@@ -161,7 +161,7 @@ class BearerTokenAuth(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             raise SecurityConfigError("an empty bearer token would let everyone in")
         self._expected = token.encode()
 
-    def _refusal(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> str | None:
+    def refusal(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> str | None:
         values = [v for k, v in metadata or () if k == AUTHORIZATION]
         if not values:
             return ("missing bearer token: send the metadata 'authorization: Bearer <token>' "
@@ -179,7 +179,7 @@ class BearerTokenAuth(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         method: str = handler_call_details.method
         if method.startswith(OPEN_SERVICES):
             return await continuation(handler_call_details)
-        refusal = self._refusal(handler_call_details.invocation_metadata)
+        refusal = self.refusal(handler_call_details.invocation_metadata)
         if refusal is None:
             return await continuation(handler_call_details)
         log.warning("refused %s: %s", method, refusal)

@@ -26,7 +26,7 @@ import logging
 import signal
 import sys
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -67,6 +67,16 @@ class Service(Protocol):
 
     def load(self) -> None:
         """Blocking start-up work (loading weights). Runs in a worker thread."""
+
+
+class Companion(Protocol):
+    """Another front end served beside gRPC in the same event loop (the HTTP API)."""
+
+    async def start(self, host: str) -> str:
+        """Listen on host; a line saying where (printed after the server's label)."""
+
+    async def stop(self) -> None:
+        """Stop listening, letting what is in flight end briefly."""
 
 
 @dataclass
@@ -151,12 +161,14 @@ def _bind(server: grpc.aio.Server, host: str, port: int, tls: ServerTls | None) 
 async def serve(services: list[Service], label: str, host: str, port: int,
                 grace_s: float = 30.0, metrics_port: int = -1, *, tls: ServerTls | None = None,
                 auth_token: str | None = None, health_port: int = -1,
-                max_message_bytes: int = MAX_MESSAGE_BYTES) -> None:
+                max_message_bytes: int = MAX_MESSAGE_BYTES,
+                companions: Sequence[Companion] = ()) -> None:
     """Run until SIGTERM/SIGINT. Prints one line when listening and one when serving.
 
     metrics_port: serve Prometheus metrics on http://host:metrics_port/metrics (0 picks a
     free port; negative: no metrics endpoint). tls, auth_token, health_port,
-    max_message_bytes: as in start_server.
+    max_message_bytes: as in start_server. companions: other front ends (the HTTP API),
+    started once gRPC listens and stopped with it.
     """
     # Handle SIGTERM before the port is announced: whoever reads "listening on" (`tandem up`,
     # the tests, a kubelet) may signal at once, and the default action kills without a drain.
@@ -173,11 +185,13 @@ async def serve(services: list[Service], label: str, host: str, port: int,
         print(f"tandem {label} health (plaintext) on {host}:{running.health_port}", flush=True)
     # Machine-readable: `tandem up` and the tests read the port from this line.
     print(f"tandem {label} listening on {host}:{running.port}", flush=True)
+    for companion in companions:
+        print(f"tandem {label} {await companion.start(host)}", flush=True)
     exporter = metrics.start_metrics_server(host, metrics_port) if metrics_port >= 0 else None
     if exporter is not None:
         print(f"tandem {label} metrics on http://{host}:{exporter.port}/metrics", flush=True)
     try:
-        await _run_until_signal(services, label, host, running, grace_s, stop)
+        await _run_until_signal(services, label, host, running, grace_s, stop, companions)
     finally:
         if exporter is not None:
             exporter.stop()
@@ -214,7 +228,8 @@ def _on_daemon_thread(fn: Callable[[], Any]) -> asyncio.Future[Any]:
 
 
 async def _run_until_signal(services: list[Service], label: str, host: str,
-                            running: RunningServer, grace_s: float, stop: asyncio.Event) -> None:
+                            running: RunningServer, grace_s: float, stop: asyncio.Event,
+                            companions: Sequence[Companion] = ()) -> None:
     load: asyncio.Future[Any] = asyncio.gather(*(_on_daemon_thread(s.load) for s in services))
     waiter = asyncio.ensure_future(stop.wait())
     await asyncio.wait([load, waiter], return_when=asyncio.FIRST_COMPLETED)
@@ -231,7 +246,7 @@ async def _run_until_signal(services: list[Service], label: str, host: str,
     if running.draining is not None:
         running.draining.active = True
     await running.health.enter_graceful_shutdown()
-    await running.stop(grace_s)
+    await asyncio.gather(running.stop(grace_s), *(c.stop() for c in companions))
     log.info("%s: stopped", label)
 
 

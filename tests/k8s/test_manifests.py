@@ -15,7 +15,7 @@ import yaml
 from k8s_manifests import COMPONENTS, K8S, OVERLAYS, Doc, Manifests, render
 from kubernetes_validate.utils import SchemaNotFoundError, latest_version
 
-from orchestrator.service import OrchestratorConfig
+from orchestrator.config import OrchestratorConfig
 from tandem.model_service import ModelServiceConfig
 
 # The oldest Kubernetes the manifests support: the preStop `sleep` action is on by default

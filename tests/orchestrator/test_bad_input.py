@@ -175,6 +175,7 @@ def test_a_text_prompt_is_tokenized_off_the_event_loop() -> None:
     import asyncio
     import threading
 
+    from orchestrator.domain import GenerationRequest, ModelInfo
     from orchestrator.service import OrchestratorConfig, OrchestratorService
 
     loop_ran = threading.Event()
@@ -184,13 +185,14 @@ def test_a_text_prompt_is_tokenized_off_the_event_loop() -> None:
             assert loop_ran.wait(timeout=20), "the event loop was blocked while tokenizing"
             return [1, 2, 3]
 
-    service = OrchestratorService(OrchestratorConfig(target="127.0.0.1:1"))
-    service.tokenizer = WaitsForTheLoop()
-    service.target_info = common_pb2.ModelInfo(vocab_size=10, max_context_tokens=100)
+    engine = OrchestratorService(OrchestratorConfig(target="127.0.0.1:1")).engine
+    engine.tokenizer = WaitsForTheLoop()
+    engine.target_info = ModelInfo(model="m", vocab_size=10, tokenizer_fingerprint="",
+                                   max_context_tokens=100, eos_token_ids=())
 
     async def scenario() -> None:
         asyncio.get_running_loop().call_soon(loop_ran.set)
-        gen, _ = await service._validate(orchestrator_pb2.GenerateRequest(prompt="abc", max_new_tokens=2))
+        gen, _ = await engine.validate(GenerationRequest(prompt="abc", max_new_tokens=2))
         assert gen.prompt_token_ids == (1, 2, 3)
 
     asyncio.run(scenario())

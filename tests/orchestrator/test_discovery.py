@@ -662,8 +662,8 @@ def test_terminating_replica_finishes_its_session_while_new_ones_go_elsewhere(
 
                 api.set_slice("t-1", "tandem-target", replicas.port, [
                     (target_ips[busy], False, True), (target_ips[idle], True, False)])
-                await eventually(lambda: service.targets is not None
-                                 and busy_address not in _routable(service.targets),
+                await eventually(lambda: service.engine.targets is not None
+                                 and busy_address not in _routable(service.engine.targets),
                                  "the orchestrator sees the replica terminating")
                 targets[idle].hold.set()
                 second = await generate()
@@ -679,8 +679,8 @@ def test_terminating_replica_finishes_its_session_while_new_ones_go_elsewhere(
                 assert reply.usage.accepted_tokens == reply.usage.drafted_tokens > 0
 
                 api.set_slice("t-1", "tandem-target", replicas.port, [(target_ips[idle], True, False)])
-                await eventually(lambda: service.targets is not None
-                                 and service.targets.get(busy_address) is None, "it is removed")
+                await eventually(lambda: service.engine.targets is not None
+                                 and service.engine.targets.get(busy_address) is None, "it is removed")
 
                 # A replica whose model cannot pair with the target is never routed to.
                 rejected = sample("tandem_replicas_rejected_total", service="tandem-target")
@@ -690,13 +690,13 @@ def test_terminating_replica_finishes_its_session_while_new_ones_go_elsewhere(
                 await eventually(lambda: sample("tandem_replicas_rejected_total",
                                                 service="tandem-target") == rejected + 1,
                                  "the stranger is refused")
-                assert service.targets is not None
-                assert _routable(service.targets) == {f"{target_ips[idle]}:{replicas.port}"}
+                assert service.engine.targets is not None
+                assert _routable(service.engine.targets) == {f"{target_ips[idle]}:{replicas.port}"}
 
                 # With every draft draining, requests go on without one (exact, just slower).
                 draftless = sample("tandem_draftless_requests_total")
                 api.set_slice("d-1", "tandem-draft", draft_replicas.port, [(draft_ip, False, True)])
-                await eventually(lambda: service.drafts is not None and not service.drafts.ready,
+                await eventually(lambda: service.engine.drafts is not None and not service.engine.drafts.ready,
                                  "the only draft is draining")
                 alone = await generate()
                 assert len(alone.token_ids) == 20 and alone.usage.drafted_tokens == 0

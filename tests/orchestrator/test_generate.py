@@ -200,7 +200,7 @@ def test_medusa_is_refused_where_the_target_has_no_heads(tiny_stack: Stack) -> N
     with tiny_stack.client() as client, pytest.raises(grpc.RpcError) as err:
         client.generate(PROMPTS[0], max_new_tokens=4, proposer="medusa")
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "PROPOSER_MEDUSA is not offered" in err.value.details()
+    assert "proposer medusa is not offered" in err.value.details()
 
 
 def test_a_default_proposer_no_target_runs_stops_the_orchestrator_at_start(tiny_target: Path) -> None:

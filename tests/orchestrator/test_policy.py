@@ -81,7 +81,7 @@ def test_every_proposer_shares_the_targets_verify_costs() -> None:
     from orchestrator.service import OrchestratorConfig, OrchestratorService
 
     service = OrchestratorService(OrchestratorConfig(target="127.0.0.1:1"))
-    draft, lookup = service.costs[2], service.costs[3]
+    draft, lookup = service.engine.costs["draft-model"], service.engine.costs["prompt-lookup"]
     assert draft.verify_ms is lookup.verify_ms and draft.overhead_ms is lookup.overhead_ms
     assert draft.alpha is not lookup.alpha and draft.draft_ms_per_token is not lookup.draft_ms_per_token
 

@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 
+from orchestrator.domain import Generation, Step, Usage
 from orchestrator.policy import CostModel
-from orchestrator.speculation import Generation, Usage, speculate
+from orchestrator.speculation import speculate
 from tandem import sampling
 from tandem.errors import Unavailable
-from tandem.v1 import common_pb2
 
 
 class SlowDraft:
@@ -48,11 +48,11 @@ class FailingTarget:
 def test_a_failed_prefill_leaves_no_draft_step_running() -> None:
     gen = Generation(prompt_token_ids=(1, 2, 3), max_new_tokens=4, sampling=sampling.SamplingParams(),
                      seed=0, num_speculative_tokens=2, policy="fixed",
-                     proposer=common_pb2.PROPOSER_DRAFT_MODEL, eos_token_ids=frozenset())
+                     proposer="draft-model", eos_token_ids=frozenset())
 
     async def scenario() -> None:
         draft = SlowDraft()
-        steps = speculate(gen, draft, FailingTarget(draft), Usage(), CostModel())  # type: ignore[arg-type]
+        steps = speculate(gen, draft, FailingTarget(draft), CostModel())  # type: ignore[arg-type]
         with pytest.raises(Unavailable):
             await steps.__anext__()
         await asyncio.sleep(0)  # let a cancellation land
@@ -85,12 +85,23 @@ def test_a_target_proposers_passes_do_not_pass_for_narrow_verify_costs() -> None
     narrow passes look expensive to the draft-model policy."""
     gen = Generation(prompt_token_ids=(1, 2, 3), max_new_tokens=8, sampling=sampling.SamplingParams(),
                      seed=0, num_speculative_tokens=4, policy="adaptive",
-                     proposer=common_pb2.PROPOSER_LOOKAHEAD, eos_token_ids=frozenset())
+                     proposer="lookahead", eos_token_ids=frozenset())
     costs = CostModel()
 
     async def scenario() -> list[int]:
-        return [t async for step in speculate(gen, None, TreeTarget(), Usage(), costs)  # type: ignore[arg-type]
+        return [t async for step in speculate(gen, None, TreeTarget(), costs)  # type: ignore[arg-type]
                 for t in step.token_ids]
 
     assert asyncio.run(scenario()) == [5, 6] * 4
     assert costs.verify_ms == {}
+
+
+def test_usage_is_folded_from_steps_after_a_stop_string_cut() -> None:
+    """One place grows usage: from each step's record and how many of its tokens were kept."""
+    prefill = Step([7], False, prefill=True, draft_ms=5.0, target_ms=9.0, wall_ms=20.0)
+    block = Step([1, 2, 3, 4], False, accepted=3, drafted=4, rejected=1, draft_ms=2.0,
+                 target_ms=3.0, wall_ms=6.0)
+    usage = Usage(proposer="draft-model", prompt_tokens=3).fold(prefill, 1).fold(block, 2)
+    assert (usage.completion_tokens, usage.accepted_tokens, usage.drafted_tokens) == (3, 2, 4)
+    assert (usage.rejected_tokens, usage.target_forward_passes) == (1, 2)
+    assert (usage.prefill_ms, usage.draft_ms, usage.target_ms) == (20.0, 2.0, 3.0)

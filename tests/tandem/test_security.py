@@ -278,11 +278,11 @@ def test_key_material_stays_out_of_reprs(pki: Pki) -> None:
 
 def test_token_is_compared_in_constant_time_and_exactly(pki: Pki) -> None:
     auth = security.BearerTokenAuth(pki.token)
-    assert auth._refusal([("authorization", f"Bearer {pki.token}")]) is None
-    assert auth._refusal([("authorization", f"Bearer {pki.token}x")]) == "invalid bearer token"
-    assert auth._refusal([("authorization", pki.token)]) is not None  # no scheme
-    assert auth._refusal([]) is not None
-    assert auth._refusal([("authorization", f"Bearer {pki.token}")] * 2) is not None
+    assert auth.refusal([("authorization", f"Bearer {pki.token}")]) is None
+    assert auth.refusal([("authorization", f"Bearer {pki.token}x")]) == "invalid bearer token"
+    assert auth.refusal([("authorization", pki.token)]) is not None  # no scheme
+    assert auth.refusal([]) is not None
+    assert auth.refusal([("authorization", f"Bearer {pki.token}")] * 2) is not None
 
 
 class EchoService:

@@ -1,0 +1,153 @@
+"""The orchestrator's domain: requests, events, usage, model info and the proposer registry.
+
+No protos here: orchestrator/wire.py converts. The engine (orchestrator/engine.py) takes a
+GenerationRequest and yields Delta events and one Summary; gRPC and HTTP are adapters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass
+
+from tandem import sampling
+
+
+@dataclass(frozen=True)
+class ProposerSpec:
+    """One way of proposing tokens for the target to verify."""
+
+    name: str  # in flags, requests and usage; on gRPC the enum value PROPOSER_<NAME>
+    runs_on: str  # "orchestrator", "draft" (a draft replica) or "target" (in its own pass)
+    needs: str  # what a deployment must run to offer it
+
+
+#: Every proposer. Adding one: an entry here, the proposer itself, and its proto enum value.
+REGISTRY: dict[str, ProposerSpec] = {spec.name: spec for spec in (
+    ProposerSpec("none", "orchestrator", "nothing: the target decodes alone"),
+    ProposerSpec("draft-model", "draft", "draft replicas (--draft or --draft-service-name)"),
+    ProposerSpec("prompt-lookup", "orchestrator", "nothing: n-grams of the request's own history"),
+    ProposerSpec("lookahead", "target", "targets that offer it (--lookahead, on by default)"),
+    ProposerSpec("medusa", "target", "targets started with --medusa-heads"),
+)}
+
+
+def check_proposer(name: str) -> str:
+    """`name` if the registry has it; else ValueError listing the names."""
+    if name not in REGISTRY:
+        raise ValueError(f"unknown proposer {name!r}; choose one of {', '.join(REGISTRY)}")
+    return name
+
+
+class FinishReason(enum.Enum):
+    LENGTH = "length"  # max_new_tokens were generated
+    EOS = "eos"  # the target generated an end-of-sequence token
+    STOP_STRING = "stop"  # a stop string appeared (the text ends before it)
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A request as the engine takes it from any front end (not yet validated)."""
+
+    prompt: str = ""
+    prompt_token_ids: tuple[int, ...] = ()  # exactly one of prompt and prompt_token_ids
+    max_new_tokens: int = 0  # 0: the deployment's --default-max-new-tokens
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: no top-k
+    top_p: float = 1.0
+    seed: int | None = None  # None: a fresh random seed
+    num_speculative_tokens: int | None = None  # None: the deployment's (adaptive) k
+    stop_strings: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    proposer: str = ""  # a REGISTRY name; "": the deployment's default
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a replica says of its model (GetModelInfo)."""
+
+    model: str
+    vocab_size: int  # output rows
+    tokenizer_fingerprint: str
+    max_context_tokens: int  # 0: unbounded
+    eos_token_ids: tuple[int, ...]
+    proposers: frozenset[str] = frozenset()  # the proposers it runs in its own pass
+
+
+@dataclass(frozen=True)
+class Generation:
+    """A validated generation request."""
+
+    prompt_token_ids: tuple[int, ...]
+    max_new_tokens: int
+    sampling: sampling.SamplingParams
+    seed: int
+    num_speculative_tokens: int  # k (the most k, under the adaptive policy); 0: plain decoding
+    policy: str  # "fixed" or "adaptive" (see orchestrator/policy.py)
+    proposer: str  # a REGISTRY name, resolved ("none" when k is 0)
+    eos_token_ids: frozenset[int]  # empty when the request ignores EOS
+
+
+@dataclass(frozen=True)
+class Step:
+    """What one step did: the facts usage and metrics are folded from."""
+
+    token_ids: list[int]  # committed this step
+    finished_by_eos: bool
+    accepted: int = 0  # of token_ids, how many were drafted (the rest: recovered or bonus)
+    drafted: int = 0  # proposed for the target to test (a tree counts its nodes)
+    rejected: int = 0  # tested and rejected: at most one per drafted block
+    prefill: bool = False  # the first step: it also filled the caches with the prompt
+    draft_ms: float = 0.0  # the draft's compute time
+    target_ms: float = 0.0  # the target's compute time
+    wall_ms: float = 0.0  # the whole step, round trips included
+
+
+@dataclass(frozen=True)
+class Usage:
+    """A request's usage; `fold` is the one place it grows."""
+
+    proposer: str
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    rejected_tokens: int = 0
+    target_forward_passes: int = 0
+    draft_ms: float = 0.0  # decode steps only
+    target_ms: float = 0.0  # decode steps only
+    prefill_ms: float = 0.0  # wall time of the first step
+
+    def fold(self, step: Step, kept: int) -> Usage:
+        """This usage after `step`, of whose tokens the first `kept` were delivered (a stop
+        string may cut the rest: those are neither completion nor accepted tokens)."""
+        return dataclasses.replace(
+            self, completion_tokens=self.completion_tokens + kept,
+            drafted_tokens=self.drafted_tokens + step.drafted,
+            accepted_tokens=self.accepted_tokens + min(step.accepted, kept),
+            rejected_tokens=self.rejected_tokens + step.rejected,
+            target_forward_passes=self.target_forward_passes + 1,
+            draft_ms=self.draft_ms + (0.0 if step.prefill else step.draft_ms),
+            target_ms=self.target_ms + (0.0 if step.prefill else step.target_ms),
+            prefill_ms=self.prefill_ms + (step.wall_ms if step.prefill else 0.0))
+
+
+@dataclass(frozen=True)
+class Delta:
+    """Tokens committed and the text they complete (text may lag behind its tokens)."""
+
+    token_ids: tuple[int, ...]
+    text: str
+
+
+@dataclass(frozen=True)
+class Summary:
+    """The end of a generation."""
+
+    finish_reason: FinishReason
+    usage: Usage
+    wire_bytes: int  # exchanged with the replicas
+    total_ms: float
+
+
+Event = Delta | Summary

@@ -1,0 +1,396 @@
+"""The engine: one generation as domain events, apart from any wire.
+
+`Engine.generate(request, deadline_s)` validates a GenerationRequest, waits for an admission
+slot, runs the speculation loop against the replicas, streams text (stop strings included),
+and yields Delta events, then one Summary. It knows no front end: the gRPC servicer
+(orchestrator/service.py) and the HTTP API (orchestrator/http.py) convert to and from it.
+Errors are tandem.errors exceptions; each front end maps them to its own status codes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import functools
+import logging
+import os
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from orchestrator.admission import Admission
+from orchestrator.config import OrchestratorConfig
+from orchestrator.domain import (
+    REGISTRY,
+    Delta,
+    Event,
+    FinishReason,
+    Generation,
+    GenerationRequest,
+    ModelInfo,
+    Step,
+    Summary,
+    Usage,
+    check_proposer,
+)
+from orchestrator.policy import POLICIES, CostModel
+from orchestrator.proposers import DraftModelProposer, PromptLookupProposer, Proposer
+from orchestrator.remote import (
+    DRAFT_STUB,
+    TARGET_STUB,
+    DraftSession,
+    ReplicaPool,
+    TargetSession,
+    fetch_model_info,
+    fetch_tokenizer,
+)
+from orchestrator.speculation import speculate
+from orchestrator.text import TextStream
+from tandem import metrics, models
+from tandem.config import MAX_BLOCK_TOKENS, MAX_SUPPORT_SIZE
+from tandem.errors import InvalidRequest, Unavailable
+from tandem.sampling import SamplingParams, validate
+
+if TYPE_CHECKING:
+    # Imported where used: the kubernetes client takes ~0.6 s to import, and only discovery
+    # needs it.
+    from orchestrator import discovery
+
+log = logging.getLogger(__name__)
+
+MAX_STOP_STRINGS = 16
+# A text prompt longer than this many characters per token of the target's context cannot
+# fit (tokens of real vocabularies are far shorter): refused before it is tokenized.
+MAX_CHARS_PER_TOKEN = 100
+MAX_STOP_STRING_CHARS = 256
+# Discovery: a replica Kubernetes calls ready is already SERVING, so describing it is quick;
+# the first request waits at most DISCOVERY_SYNC_S for the first listing's replicas.
+ADMIT_WAIT_S = 30.0
+DISCOVERY_SYNC_S = 30.0
+
+
+def _addresses(spec: str) -> list[str]:
+    return [a.strip() for a in spec.split(",") if a.strip()]
+
+
+def _incompatibility(info: ModelInfo, reference: ModelInfo) -> str | None:
+    """Why a replica cannot pair with the reference target, or None."""
+    if info.tokenizer_fingerprint != reference.tokenizer_fingerprint:
+        return (f"model {info.model!r} does not share a tokenizer with target "
+                f"{reference.model!r}: their token ids mean different things, so its drafts "
+                "cannot be verified. Use a draft from the target's model family.")
+    if info.vocab_size > reference.vocab_size:
+        return (f"model {info.model!r} has {info.vocab_size} output rows but target "
+                f"{reference.model!r} has {reference.vocab_size}; a draft could propose ids "
+                "the target cannot score")
+    return None
+
+
+class Engine:
+    """Generations against a deployment's draft and target replicas."""
+
+    def __init__(self, config: OrchestratorConfig) -> None:
+        if bool(_addresses(config.target)) == bool(config.target_service_name):
+            raise ValueError("set exactly one of --target (replica addresses) and "
+                             "--target-service-name (discovery in Kubernetes)")
+        if _addresses(config.draft) and config.draft_service_name:
+            raise ValueError("set at most one of --draft and --draft-service-name")
+        self.config = config
+        self.upstream_tls = config.upstream_tls()
+        self.tokenizer: Any = None
+        self.target_info: ModelInfo | None = None
+        self.drafts: ReplicaPool | None = None
+        self.targets: ReplicaPool | None = None
+        if config.speculation_policy not in POLICIES:
+            raise ValueError(f"--speculation-policy must be one of {POLICIES}")
+        if config.max_speculative_tokens > MAX_BLOCK_TOKENS:
+            raise ValueError(f"--max-speculative-tokens {config.max_speculative_tokens} exceeds the "
+                             f"{MAX_BLOCK_TOKENS} tokens the draft and target services score per block")
+        if not 0 <= config.num_speculative_tokens <= config.max_speculative_tokens:
+            raise ValueError(f"--num-speculative-tokens {config.num_speculative_tokens} must be in [0, "
+                             f"--max-speculative-tokens {config.max_speculative_tokens}]")
+        if not 1 <= config.default_max_new_tokens <= config.max_new_tokens_cap:
+            raise ValueError(f"--default-max-new-tokens {config.default_max_new_tokens} must be in [1, "
+                             f"--max-new-tokens-cap {config.max_new_tokens_cap}]")
+        if not 1 <= config.max_support_size <= MAX_SUPPORT_SIZE:
+            raise ValueError(f"--max-support-size {config.max_support_size} must be in [1, "
+                             f"{MAX_SUPPORT_SIZE}] (what a draft service sends per token)")
+        self.has_drafts = bool(_addresses(config.draft) or config.draft_service_name)
+        if config.proposer and check_proposer(config.proposer) == "draft-model" \
+                and not self.has_drafts:
+            raise ValueError("--proposer draft-model needs draft replicas (--draft or "
+                             "--draft-service-name)")
+        # Acceptance and draft cost differ per proposer; verify costs are the target's, shared.
+        target_costs = CostModel()
+        self.costs: dict[str, CostModel] = collections.defaultdict(target_costs.for_proposer)
+        self.default_proposer = config.proposer or ("draft-model" if self.has_drafts else "none")
+        self.admission = Admission(config.max_concurrent_requests, config.max_queued_requests)
+        self._kube: Any = None  # the DiscoveryV1Api client, when discovering replicas
+        self._namespace = config.namespace
+        self._discoveries: list[discovery.ServiceDiscovery] = []
+        self._discovery_synced: asyncio.Future[None] | None = None
+        self._draftless = False  # no draft replica was ready for the last request
+
+    # --- start-up ---------------------------------------------------------------------------
+
+    def load(self) -> None:
+        if self.config.target_service_name or self.config.draft_service_name:
+            from orchestrator import discovery
+
+            self._kube = discovery.connect(self.config.kubeconfig)
+            self._namespace = self._namespace or discovery.default_namespace()
+        reference = asyncio.run(self._check_replicas())
+        if self.config.tokenizer:
+            self.tokenizer, source = (models.load_tokenizer(self.config.tokenizer),
+                                      f"tokenizer {self.config.tokenizer!r}")
+        else:  # the reference target's own: no copy of the model here
+            files = asyncio.run(fetch_tokenizer(reference, self.upstream_tls))
+            self.tokenizer = models.tokenizer_from_files(files)
+            source = f"the tokenizer target {reference} serves"
+        fingerprint = models.tokenizer_fingerprint(self.tokenizer)
+        assert self.target_info is not None
+        if self.default_proposer not in self.offered():
+            runs = ", ".join(sorted(self.target_info.proposers)) or "none"
+            raise SystemExit(f"--proposer {self.config.proposer}: no target replica runs it (the "
+                             f"target {self.target_info.model!r} runs: {runs}); start the targets "
+                             "with it (--lookahead, --medusa-heads) or choose another")
+        if fingerprint != self.target_info.tokenizer_fingerprint:
+            raise SystemExit(
+                f"{source} does not match the target {self.target_info.model!r}; pass "
+                "--tokenizer with the target's tokenizer")
+
+    @property
+    def ready(self) -> bool:
+        return self.tokenizer is not None and self.target_info is not None
+
+    async def _check_replicas(self) -> str:
+        """Wait for every replica, and refuse a draft/target pair that do not share a tokenizer.
+
+        Returns the reference target's address.
+        """
+        cfg, wait = self.config, self.config.replica_wait_s
+        target_addresses = _addresses(cfg.target)
+        if not target_addresses:  # discovery: one ready target is the reference; the watch admits all
+            from orchestrator import discovery
+
+            target_addresses = [await discovery.first_ready(
+                self._kube, self._namespace, cfg.target_service_name, cfg.service_port_name, wait)]
+        targets = await asyncio.gather(*(fetch_model_info(a, TARGET_STUB, wait, self.upstream_tls)
+                                         for a in target_addresses))
+        # Discovered drafts are checked one by one as they appear (_admit).
+        drafts = await asyncio.gather(*(fetch_model_info(a, DRAFT_STUB, wait, self.upstream_tls)
+                                        for a in _addresses(self.config.draft)))
+        reference = targets[0]
+        for info in (*targets, *drafts):
+            problem = _incompatibility(info, reference)
+            if problem:
+                raise SystemExit(problem)
+        self.target_info = reference
+        return target_addresses[0]
+
+    async def _pools(self) -> tuple[ReplicaPool | None, ReplicaPool]:
+        # Channels bind to the serving event loop, so they are made on first use, not in load().
+        if self.targets is None:
+            self.targets = ReplicaPool(_addresses(self.config.target), TARGET_STUB,
+                                       self.upstream_tls)
+            drafts = _addresses(self.config.draft)
+            self.drafts = (ReplicaPool(drafts, DRAFT_STUB, self.upstream_tls)
+                           if drafts or self.config.draft_service_name else None)
+            self._discovery_synced = asyncio.ensure_future(self._start_discovery())
+        assert self._discovery_synced is not None
+        await asyncio.shield(self._discovery_synced)
+        return self.drafts, self.targets
+
+    async def _start_discovery(self) -> None:
+        """Follow the configured Services' EndpointSlices; return once the first listing is in."""
+        cfg = self.config
+        if not (cfg.target_service_name or cfg.draft_service_name):
+            return
+        from orchestrator import discovery
+
+        services = [(cfg.target_service_name, self.targets, TARGET_STUB, "target"),
+                    (cfg.draft_service_name, self.drafts, DRAFT_STUB, "draft")]
+        for service, pool, stub, label in services:
+            if service and pool is not None:
+                watched = discovery.ServiceDiscovery(
+                    self._kube, self._namespace, service, cfg.service_port_name, pool, label,
+                    functools.partial(self._admit, stub))
+                watched.start()
+                self._discoveries.append(watched)
+        await asyncio.gather(*(d.wait_synced(DISCOVERY_SYNC_S) for d in self._discoveries))
+
+    async def _admit(self, stub_class: type, address: str) -> None:
+        """Let a discovered replica in only if it pairs with the target, as at start-up."""
+        from orchestrator.discovery import ReplicaRejected
+
+        assert self.target_info is not None
+        try:
+            info = await fetch_model_info(address, stub_class, ADMIT_WAIT_S, self.upstream_tls)
+        except Unavailable as exc:
+            raise ReplicaRejected(f"cannot describe its model: {exc}") from exc
+        problem = _incompatibility(info, self.target_info)
+        if problem:
+            raise ReplicaRejected(problem)
+
+    async def close(self) -> None:
+        """Stop discovery and close the replicas' channels (tests; a process just exits)."""
+        for watched in self._discoveries:
+            await watched.close()
+        for pool in (self.drafts, self.targets):
+            if pool is not None:
+                await pool.close()
+
+    # --- requests ---------------------------------------------------------------------------
+
+    def offered(self) -> set[str]:
+        """The proposers requests may choose: the orchestrator's own, the drafts', the targets'."""
+        assert self.target_info is not None
+        offered = {name for name, spec in REGISTRY.items() if spec.runs_on == "orchestrator"}
+        offered |= self.target_info.proposers
+        if self.has_drafts:
+            offered.add("draft-model")
+        return offered
+
+    def _proposer(self, requested: str, k: int) -> str:
+        """The proposer a request runs with: its own choice, else the deployment's; k=0 means none."""
+        name = requested or self.default_proposer
+        if name not in (offered := self.offered()):
+            raise InvalidRequest(f"proposer {name} is not offered by this deployment; "
+                                 f"choose one of: {', '.join(sorted(offered))}")
+        return "none" if k == 0 else name
+
+    async def validate(self, request: GenerationRequest) -> tuple[Generation, tuple[str, ...]]:
+        if not self.ready:
+            raise Unavailable("the orchestrator is still connecting to its replicas")
+        cfg, info = self.config, self.target_info
+        assert info is not None
+        if request.prompt and request.prompt_token_ids:
+            raise InvalidRequest("set exactly one of prompt and prompt_token_ids, not both")
+        if request.prompt_token_ids:
+            prompt = list(request.prompt_token_ids)
+            bad = [t for t in prompt if not 0 <= t < info.vocab_size]
+            if bad:
+                raise InvalidRequest(f"prompt_token_ids must be in [0, {info.vocab_size}); got {bad[:5]}")
+        elif request.prompt:
+            most = MAX_CHARS_PER_TOKEN * info.max_context_tokens
+            if info.max_context_tokens and len(request.prompt) > most:
+                raise InvalidRequest(
+                    f"prompt has {len(request.prompt)} characters, more than {MAX_CHARS_PER_TOKEN} per "
+                    f"token of the target's {info.max_context_tokens}-token context ({most}); shorten it")
+            # Off the event loop: a long prompt takes a while to tokenize, and other streams go on.
+            prompt = await asyncio.to_thread(self.tokenizer.encode, request.prompt)
+        else:
+            raise InvalidRequest("prompt is empty: set prompt (text) or prompt_token_ids")
+        max_new = request.max_new_tokens or cfg.default_max_new_tokens
+        if not 1 <= max_new <= cfg.max_new_tokens_cap:
+            raise InvalidRequest(f"max_new_tokens must be in [1, {cfg.max_new_tokens_cap}], got {max_new}")
+        if info.max_context_tokens and len(prompt) + max_new > info.max_context_tokens:
+            raise InvalidRequest(
+                f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new}) exceeds the target's "
+                f"context of {info.max_context_tokens} tokens; shorten the prompt or max_new_tokens")
+        params = SamplingParams(request.temperature, request.top_k, request.top_p)
+        try:
+            validate(params)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from exc
+        explicit = request.num_speculative_tokens is not None
+        k = request.num_speculative_tokens if explicit else cfg.num_speculative_tokens
+        assert k is not None
+        policy = "fixed" if explicit else cfg.speculation_policy
+        if not 0 <= k <= cfg.max_speculative_tokens:
+            raise InvalidRequest(
+                f"num_speculative_tokens must be in [0, {cfg.max_speculative_tokens}], got {k}")
+        proposer = self._proposer(request.proposer, k)
+        stops = request.stop_strings
+        if len(stops) > MAX_STOP_STRINGS or any(not 0 < len(s) <= MAX_STOP_STRING_CHARS for s in stops):
+            raise InvalidRequest(
+                f"stop_strings: at most {MAX_STOP_STRINGS}, each 1..{MAX_STOP_STRING_CHARS} characters")
+        seed = request.seed if request.seed is not None else \
+            int.from_bytes(os.urandom(8), "little") >> 2
+        eos = frozenset() if request.ignore_eos else frozenset(info.eos_token_ids)
+        return Generation(tuple(prompt), max_new, params, seed, k, policy, proposer, eos), stops
+
+    async def generate(self, request: GenerationRequest, deadline_s: float | None = None
+                       ) -> AsyncGenerator[Event, None]:
+        """Delta events as tokens are committed, then one Summary.
+
+        `deadline_s`: seconds the caller still waits (None: no deadline); it bounds every call
+        to the replicas, and its passing ends the generation with DeadlineExceeded.
+        """
+        started = time.perf_counter()
+        gen, stops = await self.validate(request)
+        async with self.admission.slot():
+            async for event in self._generate(gen, stops, deadline_s, started):
+                yield event
+
+    def _orchestrator_proposer(self, name: str, drafts: ReplicaPool | None, session_id: str,
+                               deadline: float | None) -> Proposer | None:
+        """The proposer run here for `name`, or None when the target decodes (or proposes) alone.
+
+        With discovery, every draft replica can be gone or draining at once (a rollout, the
+        drain of the only one's node). Decoding without a draft is just as exact, only slower,
+        so requests go on without one: counted, and logged when it starts.
+        """
+        if name == "prompt-lookup":
+            return PromptLookupProposer(self.config.prompt_lookup_min_ngram,
+                                        self.config.prompt_lookup_max_ngram)
+        if name != "draft-model" or drafts is None:
+            return None
+        if drafts.ready:
+            self._draftless = False
+            return DraftModelProposer(DraftSession(drafts, session_id, deadline),
+                                      self.config.max_support_size)
+        if not self._draftless:
+            log.warning("no draft replica is ready: decoding with the target alone until one is")
+            self._draftless = True
+        metrics.DRAFTLESS_REQUESTS.inc()
+        return None
+
+    async def _generate(self, gen: Generation, stops: tuple[str, ...], deadline_s: float | None,
+                        started: float) -> AsyncIterator[Event]:
+        drafts, targets = await self._pools()
+        deadline = None if deadline_s is None else asyncio.get_running_loop().time() + deadline_s
+        session_id = uuid.uuid4().hex
+        proposer = self._orchestrator_proposer(gen.proposer, drafts, session_id, deadline)
+        target_proposer = gen.proposer if REGISTRY[gen.proposer].runs_on == "target" else ""
+        target = TargetSession(targets, session_id, deadline, retry_s=self.config.replica_retry_s,
+                               proposer=target_proposer)
+        text = TextStream(self.tokenizer, stops, gen.prompt_token_ids)
+        usage = Usage(proposer=proposer.name if proposer else target_proposer or "none",
+                      prompt_tokens=len(gen.prompt_token_ids))
+        reason = FinishReason.LENGTH
+        try:
+            async for step in speculate(gen, proposer, target, self.costs[usage.proposer]):
+                kept = text.add_all(step.token_ids)
+                usage = usage.fold(step, kept)
+                _observe(step, first=usage.target_forward_passes == 1, started=started)
+                if text.stopped:
+                    reason = FinishReason.STOP_STRING
+                elif step.finished_by_eos:
+                    reason = FinishReason.EOS
+                yield Delta(tuple(step.token_ids[:kept]), text.take())
+                if text.stopped:
+                    break
+            rest = text.take(final=True)  # may complete a stop string (an incomplete last character)
+            if text.stopped:
+                reason = FinishReason.STOP_STRING
+            if rest:
+                yield Delta((), rest)
+            wire_bytes = target.wire_bytes + (proposer.wire_bytes if proposer else 0)
+            yield Summary(reason, usage, wire_bytes, (time.perf_counter() - started) * 1000.0)
+        finally:
+            metrics.observe_tokens(prompt=usage.prompt_tokens, completion=usage.completion_tokens)
+            await target.close()
+            if proposer is not None:
+                await proposer.close()
+
+
+def _observe(step: Step, *, first: bool, started: float) -> None:
+    """A step's metrics, from its own record (prefill's compute is not a decode step's)."""
+    metrics.observe_step(drafted=step.drafted, accepted=step.accepted,
+                         draft_s=0.0 if step.prefill else step.draft_ms / 1000.0,
+                         verify_s=0.0 if step.prefill else step.target_ms / 1000.0,
+                         step_s=step.wall_ms / 1000.0)
+    if first and step.token_ids:
+        metrics.TIME_TO_FIRST_TOKEN.observe(time.perf_counter() - started)

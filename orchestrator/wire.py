@@ -1,0 +1,124 @@
+"""Every conversion between the orchestrator's protos and its domain types, in one place.
+
+The engine (orchestrator/engine.py) and the speculation loop see only domain types: requests,
+events, usage, model info, sparse distributions and proposer names. The public gRPC API
+(orchestrator/service.py) and the replicas' streams (orchestrator/remote.py) convert here.
+"""
+
+from __future__ import annotations
+
+from typing import cast
+
+from orchestrator.domain import (
+    REGISTRY,
+    Delta,
+    FinishReason,
+    GenerationRequest,
+    ModelInfo,
+    Summary,
+    Usage,
+)
+from tandem import sampling
+from tandem.errors import InvalidRequest
+from tandem.models import TokenizerFile
+from tandem.v1 import common_pb2, orchestrator_pb2, target_pb2
+
+_PROPOSER_PREFIX = "PROPOSER_"
+
+
+def proposer_to_proto(name: str) -> common_pb2.Proposer:
+    """"prompt-lookup" -> PROPOSER_PROMPT_LOOKUP ("" -> PROPOSER_UNSPECIFIED)."""
+    label = _PROPOSER_PREFIX + (name.upper().replace("-", "_") if name else "UNSPECIFIED")
+    return cast(common_pb2.Proposer, common_pb2.Proposer.Value(label))
+
+
+def proposer_from_proto(value: int) -> str:
+    """PROPOSER_PROMPT_LOOKUP -> "prompt-lookup"; PROPOSER_UNSPECIFIED -> "" (the default)."""
+    if value == common_pb2.PROPOSER_UNSPECIFIED:
+        return ""
+    if value not in common_pb2.Proposer.values():
+        raise InvalidRequest(f"proposer value {value} is not a Proposer; choose one of: "
+                             f"{', '.join(proposer_label(n) for n in REGISTRY)}")
+    label: str = common_pb2.Proposer.Name(value)
+    name = label.removeprefix(_PROPOSER_PREFIX).lower().replace("_", "-")
+    assert name in REGISTRY, f"{name} is on the wire but not in the registry"
+    return name
+
+
+def proposer_label(name: str) -> str:
+    """The enum's name, as gRPC users write it: PROPOSER_PROMPT_LOOKUP."""
+    label: str = common_pb2.Proposer.Name(proposer_to_proto(name))
+    return label
+
+
+def sampling_to_proto(params: sampling.SamplingParams) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(temperature=params.temperature, top_k=params.top_k,
+                                     top_p=params.top_p)
+
+
+def distribution_to_proto(dist: sampling.SparseDistribution) -> common_pb2.SparseDistribution:
+    return common_pb2.SparseDistribution(token_ids=dist.token_ids, probs=dist.probs)
+
+
+def distribution_from_proto(proto: common_pb2.SparseDistribution) -> sampling.SparseDistribution:
+    return sampling.SparseDistribution(tuple(proto.token_ids), tuple(proto.probs))
+
+
+def model_info_from_proto(proto: common_pb2.ModelInfo) -> ModelInfo:
+    return ModelInfo(model=proto.model, vocab_size=proto.vocab_size,
+                     tokenizer_fingerprint=proto.tokenizer_fingerprint,
+                     max_context_tokens=proto.max_context_tokens,
+                     eos_token_ids=tuple(proto.eos_token_ids),
+                     proposers=frozenset(proposer_from_proto(p) for p in proto.proposers))
+
+
+def tokenizer_files_from_proto(proto: target_pb2.GetTokenizerResponse
+                               ) -> tuple[TokenizerFile, ...]:
+    return tuple(TokenizerFile(f.name, f.content) for f in proto.files)
+
+
+def request_from_proto(request: orchestrator_pb2.GenerateRequest
+                       | orchestrator_pb2.GenerateUnaryRequest) -> GenerationRequest:
+    """The public API's request (streaming or unary: the same fields) as the engine's."""
+    params = request.sampling
+    return GenerationRequest(
+        prompt=request.prompt, prompt_token_ids=tuple(request.prompt_token_ids),
+        max_new_tokens=request.max_new_tokens,
+        temperature=params.temperature, top_k=params.top_k,
+        top_p=params.top_p if params.top_p != 0 else 1.0,  # proto3: 0 is unset
+        seed=request.seed if request.HasField("seed") else None,
+        num_speculative_tokens=(request.num_speculative_tokens
+                                if request.HasField("num_speculative_tokens") else None),
+        stop_strings=tuple(request.stop_strings), ignore_eos=request.ignore_eos,
+        proposer=proposer_from_proto(request.proposer))
+
+
+_FINISH_REASONS = {FinishReason.LENGTH: orchestrator_pb2.FINISH_REASON_LENGTH,
+                   FinishReason.EOS: orchestrator_pb2.FINISH_REASON_EOS,
+                   FinishReason.STOP_STRING: orchestrator_pb2.FINISH_REASON_STOP_STRING}
+
+
+def finish_reason_to_proto(reason: FinishReason) -> orchestrator_pb2.FinishReason:
+    return _FINISH_REASONS[reason]
+
+
+def usage_to_proto(usage: Usage, wire_bytes: int, total_ms: float) -> orchestrator_pb2.Usage:
+    return orchestrator_pb2.Usage(
+        prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
+        drafted_tokens=usage.drafted_tokens, accepted_tokens=usage.accepted_tokens,
+        rejected_tokens=usage.rejected_tokens, target_forward_passes=usage.target_forward_passes,
+        wire_bytes=wire_bytes, draft_ms=usage.draft_ms, target_ms=usage.target_ms,
+        prefill_ms=usage.prefill_ms, proposer=proposer_to_proto(usage.proposer),
+        total_ms=total_ms)
+
+
+def delta_to_proto(delta: Delta) -> orchestrator_pb2.GenerateResponse:
+    return orchestrator_pb2.GenerateResponse(
+        delta=orchestrator_pb2.TokenDelta(token_ids=delta.token_ids, text=delta.text))
+
+
+def summary_to_proto(summary: Summary) -> orchestrator_pb2.GenerationSummary:
+    return orchestrator_pb2.GenerationSummary(
+        finish_reason=finish_reason_to_proto(summary.finish_reason),
+        usage=usage_to_proto(summary.usage, summary.wire_bytes, summary.total_ms))
+
