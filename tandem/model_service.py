@@ -82,6 +82,7 @@ class ModelHost:
         self.config = config
         self.model: models.CausalLM | None = None
         self.info: common_pb2.ModelInfo | None = None
+        self.tokenizer: Any = None
         self.sessions = SessionTable(config.max_sessions, config.kv_budget_tokens)
         self.metrics = ReplicaMetrics.for_model(config.model, config.max_sessions)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
@@ -107,6 +108,7 @@ class ModelHost:
             dtype=dtype + (f"+{self.config.quantize}" if self.config.quantize else ""),
             device=str(getattr(model, "hf_device_map", None) or self.config.device),
         )
+        self.tokenizer = tokenizer
         self.model = model
         log.info("loaded %s on %s (%s) in %.1fs, %d threads; KV cache: %d bytes per token, budget %s",
                  self.config.model, self.info.device, self.info.dtype,

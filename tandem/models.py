@@ -340,6 +340,37 @@ def load_tokenizer(ref: str) -> Any:
     return AutoTokenizer.from_pretrained(resolve(ref))
 
 
+@dataclass(frozen=True)
+class TokenizerFile:
+    """One file of a saved tokenizer: how a target serves its tokenizer (GetTokenizer)."""
+
+    name: str  # a plain file name, e.g. "tokenizer.json"
+    content: bytes
+
+
+def tokenizer_files(tokenizer: Any) -> tuple[TokenizerFile, ...]:
+    """The files `save_pretrained` writes for `tokenizer`: vocabulary, special tokens and the
+    chat template (in tokenizer_config.json or chat_template.jinja)."""
+    with tempfile.TemporaryDirectory(prefix="tandem-tokenizer-") as directory:
+        tokenizer.save_pretrained(directory)
+        return tuple(TokenizerFile(p.name, p.read_bytes())
+                     for p in sorted(Path(directory).iterdir()) if p.is_file())
+
+
+def tokenizer_from_files(files: tuple[TokenizerFile, ...]) -> Any:
+    """The tokenizer those files save, loaded from a temporary directory (gone once loaded)."""
+    from transformers import AutoTokenizer
+
+    with tempfile.TemporaryDirectory(prefix="tandem-tokenizer-") as directory:
+        for file in files:
+            # Names come from another process: only plain file names land in the directory.
+            if file.name in ("", ".", "..") or Path(file.name).name != file.name \
+                    or "\\" in file.name:
+                raise ModelError(f"tokenizer file name {file.name!r} is not a plain file name")
+            (Path(directory) / file.name).write_bytes(file.content)
+        return AutoTokenizer.from_pretrained(directory)
+
+
 def tokenizer_fingerprint(tokenizer: Any) -> str:
     """sha256 over the vocabulary and special tokens: equal fingerprints mean equal token ids."""
     payload = json.dumps(

@@ -7,9 +7,9 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from tandem import sampling
+from tandem import models, sampling
 from tandem.config import MAX_BLOCK_TOKENS
-from tandem.errors import InvalidRequest
+from tandem.errors import InvalidRequest, Unavailable
 from tandem.kv import KVSession
 from tandem.model_service import ModelHost, ModelServicer, sampling_from, step_from
 from tandem.server import handle_errors
@@ -53,6 +53,7 @@ class TargetService(ModelServicer, target_pb2_grpc.TargetServiceServicer):
     def __init__(self, host: ModelHost) -> None:
         super().__init__(host)
         self.proposers: dict[int, TargetProposer] = {}
+        self.tokenizer: target_pb2.GetTokenizerResponse | None = None
 
     def add_to(self, server: grpc.aio.Server) -> None:
         target_pb2_grpc.add_TargetServiceServicer_to_server(self, server)
@@ -62,6 +63,16 @@ class TargetService(ModelServicer, target_pb2_grpc.TargetServiceServicer):
         self.proposers = build_proposers(self.host.config, self.host.ready_model())
         assert self.host.info is not None
         self.host.info.proposers.extend(sorted(self.proposers))
+        self.tokenizer = target_pb2.GetTokenizerResponse(files=[
+            target_pb2.TokenizerFile(name=f.name, content=f.content)
+            for f in models.tokenizer_files(self.host.tokenizer)])
+
+    @handle_errors
+    async def GetTokenizer(self, request: target_pb2.GetTokenizerRequest,
+                           context: grpc.aio.ServicerContext) -> target_pb2.GetTokenizerResponse:
+        if self.tokenizer is None:
+            raise Unavailable("the model is still loading; wait for health SERVING")
+        return self.tokenizer
 
     def _proposer(self, request: target_pb2.ScoreBlocksRequest) -> TargetProposer | None:
         kind = request.target_proposer

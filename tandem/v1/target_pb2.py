@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from tandem.v1 import common_pb2 as tandem_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/target.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"\x95\x02\n\x12ScoreBlocksRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x16\n\x0e\x63\x61\x63he_position\x18\x02 \x01(\r\x12\x15\n\rnew_token_ids\x18\x03 \x03(\x05\x12\x17\n\x0f\x64raft_token_ids\x18\x04 \x03(\x05\x12:\n\x13\x64raft_distributions\x18\x05 \x03(\x0b\x32\x1d.tandem.v1.SparseDistribution\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12,\n\x0ftarget_proposer\x18\x08 \x01(\x0e\x32\x13.tandem.v1.Proposer\"\xc5\x01\n\x13ScoreBlocksResponse\x12\x14\n\x0ctarget_probs\x18\x01 \x03(\x02\x12\x1b\n\x13recovered_token_ids\x18\x02 \x03(\x05\x12\x16\n\x0e\x62onus_token_id\x18\x03 \x01(\x05\x12\x14\n\x0c\x63\x61\x63he_length\x18\x04 \x01(\r\x12\x12\n\ncompute_ms\x18\x05 \x01(\x02\x12\x1b\n\x13\x63ommitted_token_ids\x18\x06 \x03(\x05\x12\x1c\n\x14proposed_token_count\x18\x07 \x01(\r2\xb2\x01\n\rTargetService\x12P\n\x0bScoreBlocks\x12\x1d.tandem.v1.ScoreBlocksRequest\x1a\x1e.tandem.v1.ScoreBlocksResponse(\x01\x30\x01\x12O\n\x0cGetModelInfo\x12\x1e.tandem.v1.GetModelInfoRequest\x1a\x1f.tandem.v1.GetModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/target.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"\x95\x02\n\x12ScoreBlocksRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x16\n\x0e\x63\x61\x63he_position\x18\x02 \x01(\r\x12\x15\n\rnew_token_ids\x18\x03 \x03(\x05\x12\x17\n\x0f\x64raft_token_ids\x18\x04 \x03(\x05\x12:\n\x13\x64raft_distributions\x18\x05 \x03(\x0b\x32\x1d.tandem.v1.SparseDistribution\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12,\n\x0ftarget_proposer\x18\x08 \x01(\x0e\x32\x13.tandem.v1.Proposer\"\xc5\x01\n\x13ScoreBlocksResponse\x12\x14\n\x0ctarget_probs\x18\x01 \x03(\x02\x12\x1b\n\x13recovered_token_ids\x18\x02 \x03(\x05\x12\x16\n\x0e\x62onus_token_id\x18\x03 \x01(\x05\x12\x14\n\x0c\x63\x61\x63he_length\x18\x04 \x01(\r\x12\x12\n\ncompute_ms\x18\x05 \x01(\x02\x12\x1b\n\x13\x63ommitted_token_ids\x18\x06 \x03(\x05\x12\x1c\n\x14proposed_token_count\x18\x07 \x01(\r\"\x15\n\x13GetTokenizerRequest\"?\n\x14GetTokenizerResponse\x12\'\n\x05\x66iles\x18\x01 \x03(\x0b\x32\x18.tandem.v1.TokenizerFile\".\n\rTokenizerFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\x0c\x32\x83\x02\n\rTargetService\x12P\n\x0bScoreBlocks\x12\x1d.tandem.v1.ScoreBlocksRequest\x1a\x1e.tandem.v1.ScoreBlocksResponse(\x01\x30\x01\x12O\n\x0cGetModelInfo\x12\x1e.tandem.v1.GetModelInfoRequest\x1a\x1f.tandem.v1.GetModelInfoResponse\x12O\n\x0cGetTokenizer\x12\x1e.tandem.v1.GetTokenizerRequest\x1a\x1f.tandem.v1.GetTokenizerResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,6 +36,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SCOREBLOCKSREQUEST']._serialized_end=339
   _globals['_SCOREBLOCKSRESPONSE']._serialized_start=342
   _globals['_SCOREBLOCKSRESPONSE']._serialized_end=539
-  _globals['_TARGETSERVICE']._serialized_start=542
-  _globals['_TARGETSERVICE']._serialized_end=720
+  _globals['_GETTOKENIZERREQUEST']._serialized_start=541
+  _globals['_GETTOKENIZERREQUEST']._serialized_end=562
+  _globals['_GETTOKENIZERRESPONSE']._serialized_start=564
+  _globals['_GETTOKENIZERRESPONSE']._serialized_end=627
+  _globals['_TOKENIZERFILE']._serialized_start=629
+  _globals['_TOKENIZERFILE']._serialized_end=675
+  _globals['_TARGETSERVICE']._serialized_start=678
+  _globals['_TARGETSERVICE']._serialized_end=937
 # @@protoc_insertion_point(module_scope)

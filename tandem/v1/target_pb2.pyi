@@ -44,3 +44,21 @@ class ScoreBlocksResponse(_message.Message):
     committed_token_ids: _containers.RepeatedScalarFieldContainer[int]
     proposed_token_count: int
     def __init__(self, target_probs: _Optional[_Iterable[float]] = ..., recovered_token_ids: _Optional[_Iterable[int]] = ..., bonus_token_id: _Optional[int] = ..., cache_length: _Optional[int] = ..., compute_ms: _Optional[float] = ..., committed_token_ids: _Optional[_Iterable[int]] = ..., proposed_token_count: _Optional[int] = ...) -> None: ...
+
+class GetTokenizerRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetTokenizerResponse(_message.Message):
+    __slots__ = ("files",)
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    files: _containers.RepeatedCompositeFieldContainer[TokenizerFile]
+    def __init__(self, files: _Optional[_Iterable[_Union[TokenizerFile, _Mapping]]] = ...) -> None: ...
+
+class TokenizerFile(_message.Message):
+    __slots__ = ("name", "content")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    content: bytes
+    def __init__(self, name: _Optional[str] = ..., content: _Optional[bytes] = ...) -> None: ...

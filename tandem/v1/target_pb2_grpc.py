@@ -46,6 +46,11 @@ class TargetServiceStub:
                 request_serializer=tandem_dot_v1_dot_common__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_common__pb2.GetModelInfoResponse.FromString,
                 _registered_method=True)
+        self.GetTokenizer = channel.unary_unary(
+                '/tandem.v1.TargetService/GetTokenizer',
+                request_serializer=tandem_dot_v1_dot_target__pb2.GetTokenizerRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_target__pb2.GetTokenizerResponse.FromString,
+                _registered_method=True)
 
 
 class TargetServiceServicer:
@@ -68,6 +73,14 @@ class TargetServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetTokenizer(self, request, context):
+        """Serves the loaded model's tokenizer (vocabulary, special tokens, chat template), so an
+        orchestrator needs no copy of the model to tokenize for it. UNAVAILABLE while loading.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TargetServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -80,6 +93,11 @@ def add_TargetServiceServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=tandem_dot_v1_dot_common__pb2.GetModelInfoRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_common__pb2.GetModelInfoResponse.SerializeToString,
+            ),
+            'GetTokenizer': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTokenizer,
+                    request_deserializer=tandem_dot_v1_dot_target__pb2.GetTokenizerRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_target__pb2.GetTokenizerResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -137,6 +155,33 @@ class TargetService:
             '/tandem.v1.TargetService/GetModelInfo',
             tandem_dot_v1_dot_common__pb2.GetModelInfoRequest.SerializeToString,
             tandem_dot_v1_dot_common__pb2.GetModelInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTokenizer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.TargetService/GetTokenizer',
+            tandem_dot_v1_dot_target__pb2.GetTokenizerRequest.SerializeToString,
+            tandem_dot_v1_dot_target__pb2.GetTokenizerResponse.FromString,
             options,
             channel_credentials,
             insecure,

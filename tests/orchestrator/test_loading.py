@@ -1,9 +1,10 @@
 """A model still loading gets UNAVAILABLE: on the replicas, and through the orchestrator.
 
 The replicas are the real draft and target services in their own processes, whose load
-waits for the test (tests/gated_replica.py). While they load, every step and GetModelInfo
-is refused with UNAVAILABLE, and so is Generate on an orchestrator still waiting for them;
-once they have loaded, the same request is served.
+waits for the test (tests/gated_replica.py). While they load, every step, GetModelInfo and
+the target's GetTokenizer are refused with UNAVAILABLE, and so is Generate on an orchestrator
+still waiting for them; once they have loaded, the same request is served (the orchestrator,
+started without --tokenizer, loads the one the target serves).
 """
 
 from __future__ import annotations
@@ -57,8 +58,9 @@ def loading(tiny_draft: Path, tiny_target: Path) -> Iterator[Stack]:
     try:
         started.append(start_gated("draft", tiny_draft))
         started.append(start_gated("target", tiny_target))
+        # No --tokenizer: once the target has loaded, the orchestrator loads the one it serves.
         started.append(spawn(["orchestrator", "--draft", started[0].address, "--target", started[1].address,
-                              "--tokenizer", str(tiny_target), "--replica-wait-s", "600"]))
+                              "--replica-wait-s", "600"]))
         yield Stack([started[0]], [started[1]], started[2])
     finally:
         for process in reversed(started):
@@ -81,6 +83,8 @@ def test_requests_while_models_load_get_unavailable_then_are_served(loading: Sta
             common_pb2.GetModelInfoRequest(), timeout=30),
         "target GetModelInfo": lambda channel: target_pb2_grpc.TargetServiceStub(channel).GetModelInfo(
             common_pb2.GetModelInfoRequest(), timeout=30),
+        "target GetTokenizer": lambda channel: target_pb2_grpc.TargetServiceStub(channel).GetTokenizer(
+            target_pb2.GetTokenizerRequest(), timeout=30),
     }
     for name, call in calls.items():
         address = (draft if name.startswith(("Propose", "draft")) else target).address
