@@ -157,15 +157,15 @@ def _up(args: argparse.Namespace) -> None:
         sys.exit(130)
     except RuntimeError as exc:
         sys.exit(f"up: a service failed to start; see {logs}\n{exc}")
-    http = stack.orchestrator.wait_http_url() if args.http_port >= 0 else None
-    print(f"Tandem is ready: orchestrator listening on {stack.address} (gRPC)"
-          + (f" and {http}/v1 (OpenAI-compatible HTTP)" if http else "") + "\n"
-          f"  try, in another shell: tandem generate --address {stack.address} "
-          f"\"def fibonacci(n):\"\n"
-          f"  stop with Ctrl-C (or SIGTERM); logs in {logs}", flush=True)
     processes = {"orchestrator": stack.orchestrator, "draft": stack.drafts[0],
                  "target": stack.targets[0]}
-    try:
+    try:  # from here on, whatever ends `tandem up` (Ctrl-C included) stops the services
+        http = stack.orchestrator.wait_http_url() if args.http_port >= 0 else None
+        print(f"Tandem is ready: orchestrator listening on {stack.address} (gRPC)"
+              + (f" and {http}/v1 (OpenAI-compatible HTTP)" if http else "") + "\n"
+              f"  try, in another shell: tandem generate --address {stack.address} "
+              f"\"def fibonacci(n):\"\n"
+              f"  stop with Ctrl-C (or SIGTERM); logs in {logs}", flush=True)
         while all(p.proc.poll() is None for p in processes.values()):
             time.sleep(1.0)
         role, died = next((r, p) for r, p in processes.items() if p.proc.poll() is not None)
