@@ -1,4 +1,5 @@
-"""The orchestrator's domain: requests, events, usage, model info and the proposer registry.
+"""The orchestrator's domain: requests, events, usage, model info, the proposer registry, and
+what a step sends to the target and gets back.
 
 No protos here: orchestrator/wire.py converts. The engine (orchestrator/engine.py) takes a
 GenerationRequest and yields Delta events and one Summary; gRPC and HTTP are adapters.
@@ -72,6 +73,46 @@ class ModelInfo:
     max_context_tokens: int  # 0: unbounded
     eos_token_ids: tuple[int, ...]
     proposers: frozenset[str] = frozenset()  # the proposers it runs in its own pass
+
+
+@dataclass(frozen=True)
+class DraftBlock:
+    """Tokens proposed outside the target (a draft model, prompt lookup) for it to score."""
+
+    token_ids: tuple[int, ...]
+    distributions: tuple[sampling.SparseDistribution, ...]  # what each token was drawn from
+    draft_probs: tuple[float, ...]  # q_i(x_i)
+    cache_length: int  # the draft replica's cache after proposing (0: no replica)
+    compute_ms: float
+
+
+#: Nothing proposed: the target scores no draft, a plain target step (k=0).
+EMPTY_BLOCK = DraftBlock((), (), (), 0, 0.0)
+
+
+@dataclass(frozen=True)
+class TargetScores:
+    """The target's answer to a DraftBlock: what rejection sampling needs; the orchestrator
+    draws the uniforms and decides what is accepted."""
+
+    scored: sampling.ScoredBlock
+    cache_length: int  # tokens in the target session's cache after the step
+    compute_ms: float
+
+
+@dataclass(frozen=True)
+class TreeCommit:
+    """The target's answer to a step of a proposer it runs itself (Lookahead, Medusa): it
+    proposed a tree, verified it in its pass and decided what the step commits."""
+
+    committed_token_ids: tuple[int, ...]  # the accepted path, then a recovered or bonus token
+    proposed_count: int  # tokens in the verified tree
+    cache_length: int
+    compute_ms: float
+
+
+#: What a target step answers: the kind matches what the step sent.
+TargetResult = TargetScores | TreeCommit
 
 
 @dataclass(frozen=True)

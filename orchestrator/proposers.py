@@ -19,7 +19,8 @@ import time
 from dataclasses import dataclass
 from typing import Protocol
 
-from orchestrator.remote import EMPTY_BLOCK, DraftBlock, DraftSession
+from orchestrator.domain import EMPTY_BLOCK, DraftBlock
+from orchestrator.remote import DraftSession
 from tandem import metrics, sampling
 from tandem.errors import ReplicaRefused, ResourceExhausted, Unavailable
 

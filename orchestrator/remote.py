@@ -17,7 +17,7 @@ from typing import Any
 import grpc
 
 from orchestrator import wire
-from orchestrator.domain import ModelInfo
+from orchestrator.domain import DraftBlock, ModelInfo, TargetResult, TreeCommit
 from tandem import metrics, sampling
 from tandem.errors import DeadlineExceeded, ReplicaRefused, ResourceExhausted, Unavailable
 from tandem.models import TokenizerFile
@@ -156,18 +156,6 @@ class ReplicaPool:
             await asyncio.gather(*self._closing)
 
 
-@dataclass(frozen=True)
-class DraftBlock:
-    token_ids: tuple[int, ...]
-    distributions: tuple[sampling.SparseDistribution, ...]  # what each token was drawn from
-    draft_probs: tuple[float, ...]  # q_i(x_i)
-    cache_length: int
-    compute_ms: float
-
-
-EMPTY_BLOCK = DraftBlock((), (), (), 0, 0.0)
-
-
 # A step whose session is evicted again and again (a replica short of KV room) gives up.
 _MAX_EVICTIONS_PER_STEP = 8
 # After these, the session is rebuilt from the history, on another replica when one is
@@ -300,32 +288,25 @@ class DraftSession(RemoteSession):
                           response.compute_ms)
 
 
-@dataclass(frozen=True)
-class TargetScores:
-    scored: sampling.ScoredBlock
-    cache_length: int
-    compute_ms: float
-    committed_token_ids: tuple[int, ...] = ()  # set when the target ran its own proposer
-    proposed_count: int = 0
-
-
 @dataclass
 class TargetSession(RemoteSession):
     # A proposer the target runs itself ("lookahead", "medusa"); "": none.
     proposer: str = ""
 
     async def score(self, history: list[int], block: DraftBlock,
-                    params: sampling.SamplingParams, seed: int) -> TargetScores:
-        response = await self._step("ScoreBlocks", lambda synced: target_pb2.ScoreBlocksRequest(
-            session_id=self.session_id, cache_position=synced,
-            new_token_ids=history[synced:], draft_token_ids=block.token_ids,
-            draft_distributions=[wire.distribution_to_proto(d) for d in block.distributions],
-            sampling=wire.sampling_to_proto(params), seed=seed,
-            target_proposer=wire.proposer_to_proto(self.proposer)))
-        scored = sampling.ScoredBlock(tuple(response.target_probs),
-                                      tuple(response.recovered_token_ids), response.bonus_token_id)
-        return TargetScores(scored, response.cache_length, response.compute_ms,
-                            tuple(response.committed_token_ids), response.proposed_token_count)
+                    params: sampling.SamplingParams, seed: int) -> TargetResult:
+        """Score `block`, or with `proposer` set, have the target propose and verify a tree:
+        TargetScores, or TreeCommit."""
+        response = await self._step("ScoreBlocks", lambda synced: wire.score_request_to_proto(
+            self.session_id, synced, history[synced:], block, self.proposer, params, seed))
+        result = wire.target_result_from_proto(response)
+        if result is None or isinstance(result, TreeCommit) != bool(self.proposer):
+            where = self.replica.address if self.replica else "?"
+            sent = "target_proposal" if self.proposer else "draft_proposal"
+            raise Unavailable(f"target replica {where} answered a {sent} step with "
+                              f"{response.WhichOneof('result') or 'no result'}; is it of another "
+                              "Tandem version than this orchestrator?")
+        return result
 
 
 async def fetch_model_info(address: str, stub_class: type, wait_s: float,

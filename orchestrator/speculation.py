@@ -15,10 +15,10 @@ from typing import TypeVar
 
 import torch
 
-from orchestrator.domain import Generation, Step
+from orchestrator.domain import EMPTY_BLOCK, Generation, Step, TreeCommit
 from orchestrator.policy import CostModel, Speculation
 from orchestrator.proposers import Proposer
-from orchestrator.remote import EMPTY_BLOCK, TargetSession
+from orchestrator.remote import TargetSession
 from tandem import sampling
 
 A = TypeVar("A")
@@ -59,33 +59,33 @@ async def speculate(gen: Generation, proposer: Proposer | None, target: TargetSe
         if proposer is None or k == 0:
             # A draft the policy does not mean to use is not prefilled: it catches up when used.
             block = EMPTY_BLOCK
-            scores = await target.score(history, block, gen.sampling, target_seed)
+            result = await target.score(history, block, gen.sampling, target_seed)
         elif prefill:
             # Prefill both caches at once; the target alone yields the first token (TTFT).
-            block, scores = await _both(
+            block, result = await _both(
                 proposer.get_candidates(history, 0, gen.sampling, draft_seed),
                 target.score(history, EMPTY_BLOCK, gen.sampling, target_seed))
         else:
             block = await proposer.get_candidates(history, k, gen.sampling, draft_seed)
-            scores = await target.score(history, block, gen.sampling, target_seed)
+            result = await target.score(history, block, gen.sampling, target_seed)
 
-        if scores.committed_token_ids:  # the target proposed and verified a tree itself
-            new, drafted = list(scores.committed_token_ids), scores.proposed_count
+        if isinstance(result, TreeCommit):  # the target proposed and verified a tree itself
+            new, drafted = list(result.committed_token_ids), result.proposed_count
             accepted, rejected = len(new) - 1, 0
-        else:
+        else:  # TargetScores of `block`: the acceptance is drawn here
             uniforms = torch.rand(len(block.token_ids), generator=rng, dtype=torch.float64).tolist()
-            accepted = sampling.num_accepted(scores.scored.target_probs, block.draft_probs, uniforms)
-            new, drafted = sampling.commit(block.token_ids, scores.scored, accepted), len(block.token_ids)
+            accepted = sampling.num_accepted(result.scored.target_probs, block.draft_probs, uniforms)
+            new, drafted = sampling.commit(block.token_ids, result.scored, accepted), len(block.token_ids)
             rejected = int(accepted < drafted)
 
         if proposer is not None:
             proposer.update_candidate_strategy(block, accepted, len(history))
-        target.advance(scores.cache_length, len(history) + accepted)
+        target.advance(result.cache_length, len(history) + accepted)
         step_ms = (time.perf_counter() - started) * 1000.0
         # Not a target's own tree pass: it scores a segment of a width not known here, and its
         # cost would be filed under its 1-2 new tokens, where the draft policy reads.
-        if not prefill and not scores.committed_token_ids:
-            policy.observe(len(block.token_ids), accepted, block.compute_ms, scores.compute_ms,
+        if not prefill and not isinstance(result, TreeCommit):
+            policy.observe(len(block.token_ids), accepted, block.compute_ms, result.compute_ms,
                            step_ms, len(history) - target_synced + len(block.token_ids))
 
         eos_at = next((i for i, t in enumerate(new) if t in gen.eos_token_ids), None)
@@ -95,6 +95,6 @@ async def speculate(gen: Generation, proposer: Proposer | None, target: TargetSe
         finished_by_eos = eos_at is not None and eos_at < len(new)
         yield Step(new, finished_by_eos, accepted=min(accepted, len(new)),  # a tree may pass the end
                    drafted=drafted, rejected=rejected, prefill=prefill,
-                   draft_ms=block.compute_ms, target_ms=scores.compute_ms, wall_ms=step_ms)
+                   draft_ms=block.compute_ms, target_ms=result.compute_ms, wall_ms=step_ms)
         if finished_by_eos:
             return

@@ -12,10 +12,14 @@ from typing import cast
 from orchestrator.domain import (
     REGISTRY,
     Delta,
+    DraftBlock,
     FinishReason,
     GenerationRequest,
     ModelInfo,
     Summary,
+    TargetResult,
+    TargetScores,
+    TreeCommit,
     Usage,
 )
 from tandem import sampling
@@ -70,6 +74,43 @@ def model_info_from_proto(proto: common_pb2.ModelInfo) -> ModelInfo:
                      max_context_tokens=proto.max_context_tokens,
                      eos_token_ids=tuple(proto.eos_token_ids),
                      proposers=frozenset(proposer_from_proto(p) for p in proto.proposers))
+
+
+def score_request_to_proto(session_id: str, cache_position: int, new_token_ids: list[int],
+                           block: DraftBlock, target_proposer: str,
+                           params: sampling.SamplingParams, seed: int
+                           ) -> target_pb2.ScoreBlocksRequest:
+    """One target step: with `target_proposer` ("lookahead", "medusa"), the target proposes and
+    verifies a tree itself; else it scores `block` (EMPTY_BLOCK: a plain step, no draft)."""
+    request = target_pb2.ScoreBlocksRequest(
+        session_id=session_id, cache_position=cache_position, new_token_ids=new_token_ids,
+        sampling=sampling_to_proto(params), seed=seed)
+    if target_proposer:
+        assert not block.token_ids, "a target proposer's step carries no draft"
+        request.target_proposal.proposer = proposer_to_proto(target_proposer)
+    else:  # set even when empty: the oneof says which protocol the step speaks
+        request.draft_proposal.SetInParent()
+        request.draft_proposal.token_ids.extend(block.token_ids)
+        request.draft_proposal.distributions.extend(
+            distribution_to_proto(d) for d in block.distributions)
+    return request
+
+
+def target_result_from_proto(proto: target_pb2.ScoreBlocksResponse) -> TargetResult | None:
+    """The step's answer as its own domain type; None when the response carries neither kind
+    (a target that predates the `result` oneof)."""
+    kind = proto.WhichOneof("result")
+    if kind == "block_scores":
+        scores = proto.block_scores
+        return TargetScores(sampling.ScoredBlock(tuple(scores.target_probs),
+                                                 tuple(scores.recovered_token_ids),
+                                                 scores.bonus_token_id),
+                            proto.cache_length, proto.compute_ms)
+    if kind == "verified_tree":
+        tree = proto.verified_tree
+        return TreeCommit(tuple(tree.committed_token_ids), tree.proposed_token_count,
+                          proto.cache_length, proto.compute_ms)
+    return None
 
 
 def tokenizer_files_from_proto(proto: target_pb2.GetTokenizerResponse

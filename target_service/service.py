@@ -18,30 +18,31 @@ from target_service.proposers import TargetProposer, build_proposers
 from target_service.scorer import propose_and_verify, score_block
 
 
-def draft_from(request: target_pb2.ScoreBlocksRequest, session: KVSession
+def draft_from(proposal: target_pb2.DraftProposal, session: KVSession
                ) -> tuple[list[int], list[sampling.SparseDistribution]]:
-    ids = list(request.draft_token_ids)
+    ids = list(proposal.token_ids)
     if len(ids) > MAX_BLOCK_TOKENS:
-        raise InvalidRequest(f"draft_token_ids holds {len(ids)} tokens; at most {MAX_BLOCK_TOKENS}")
-    if len(request.draft_distributions) != len(ids):
+        raise InvalidRequest(f"draft_proposal.token_ids holds {len(ids)} tokens; at most {MAX_BLOCK_TOKENS}")
+    if len(proposal.distributions) != len(ids):
         raise InvalidRequest(
-            f"draft_distributions has {len(request.draft_distributions)} entries but "
-            f"draft_token_ids has {len(ids)}; send one distribution per drafted token")
-    session.check_tokens("draft_token_ids", ids)
+            f"draft_proposal.distributions has {len(proposal.distributions)} entries but "
+            f"draft_proposal.token_ids has {len(ids)}; send one distribution per drafted token")
+    session.check_tokens("draft_proposal.token_ids", ids)
     dists = []
-    for i, (token, d) in enumerate(zip(ids, request.draft_distributions)):
+    for i, (token, d) in enumerate(zip(ids, proposal.distributions)):
+        where = f"draft_proposal.distributions[{i}]"
         if len(d.token_ids) != len(d.probs) or not d.token_ids:
-            raise InvalidRequest(f"draft_distributions[{i}] needs equal, non-zero numbers of token_ids and probs")
-        session.check_tokens(f"draft_distributions[{i}].token_ids", list(d.token_ids))
+            raise InvalidRequest(f"{where} needs equal, non-zero numbers of token_ids and probs")
+        session.check_tokens(f"{where}.token_ids", list(d.token_ids))
         total = math.fsum(d.probs)
         if any(not 0.0 <= p <= 1.0 for p in d.probs) or abs(total - 1.0) > 1e-3:
-            raise InvalidRequest(f"draft_distributions[{i}].probs must lie in [0, 1] and sum to 1 (got {total:.6f})")
+            raise InvalidRequest(f"{where}.probs must lie in [0, 1] and sum to 1 (got {total:.6f})")
         if len(set(d.token_ids)) != len(d.token_ids):
-            raise InvalidRequest(f"draft_distributions[{i}].token_ids must be distinct")
+            raise InvalidRequest(f"{where}.token_ids must be distinct")
         if token not in d.token_ids:
-            raise InvalidRequest(f"draft_token_ids[{i}]={token} is not in the support of draft_distributions[{i}]")
+            raise InvalidRequest(f"draft_proposal.token_ids[{i}]={token} is not in the support of {where}")
         if d.probs[list(d.token_ids).index(token)] <= 0.0:
-            raise InvalidRequest(f"draft_token_ids[{i}]={token} has probability 0 in draft_distributions[{i}]; "
+            raise InvalidRequest(f"draft_proposal.token_ids[{i}]={token} has probability 0 in {where}; "
                                  "a draft samples only tokens its distribution gives mass")
         dists.append(sampling.SparseDistribution(tuple(d.token_ids), tuple(d.probs)))
     return ids, dists
@@ -74,16 +75,12 @@ class TargetService(ModelServicer, target_pb2_grpc.TargetServiceServicer):
             raise Unavailable("the model is still loading; wait for health SERVING")
         return self.tokenizer
 
-    def _proposer(self, request: target_pb2.ScoreBlocksRequest) -> TargetProposer | None:
-        kind = request.target_proposer
-        if kind == common_pb2.PROPOSER_UNSPECIFIED:
-            return None
-        if kind not in self.proposers:
+    def _proposer(self, proposal: target_pb2.TargetProposal) -> TargetProposer:
+        if proposal.proposer not in self.proposers:
             runs = ", ".join(common_pb2.Proposer.Name(k) for k in sorted(self.proposers)) or "none"
-            raise InvalidRequest(f"target_proposer {kind} is not run by this replica (it runs: {runs})")
-        if request.draft_token_ids:
-            raise InvalidRequest("draft_token_ids must be empty when target_proposer is set")
-        return self.proposers[kind]
+            raise InvalidRequest(f"target_proposal.proposer {proposal.proposer} is not run by this "
+                                 f"replica (it runs: {runs})")
+        return self.proposers[proposal.proposer]
 
     @handle_errors
     async def ScoreBlocks(
@@ -94,25 +91,29 @@ class TargetService(ModelServicer, target_pb2_grpc.TargetServiceServicer):
         async for session, request in self.host.session_stream(request_iterator):
             step = step_from(request, session)
             params = sampling_from(request.sampling)
-            proposer = self._proposer(request)
             history = step.cache_position + len(step.new_token_ids)
-            if proposer is not None:
+            kind = request.WhichOneof("proposal")
+            if kind == "target_proposal":
+                proposer = self._proposer(request.target_proposal)
                 # The proposer's segment is cached during the pass, and cropped after it.
                 verified, ms = await self.host.run_step(
                     session, history + proposer.max_segment_tokens, propose_and_verify, model, session,
                     step, proposer, params, request.seed)
                 yield target_pb2.ScoreBlocksResponse(
-                    committed_token_ids=verified.committed_token_ids,
-                    proposed_token_count=verified.proposed_count,
-                    cache_length=verified.cache_length, compute_ms=ms)
-                continue
-            ids, dists = draft_from(request, session)
-            result, ms = await self.host.run_step(session, history + len(ids), score_block, model, session,
-                                                  step, ids, dists, params, request.seed)
-            yield target_pb2.ScoreBlocksResponse(
-                target_probs=result.scored.target_probs,
-                recovered_token_ids=result.scored.recovered_token_ids,
-                bonus_token_id=result.scored.bonus_token_id,
-                cache_length=result.cache_length,
-                compute_ms=ms,
-            )
+                    cache_length=verified.cache_length, compute_ms=ms,
+                    verified_tree=target_pb2.VerifiedTree(
+                        committed_token_ids=verified.committed_token_ids,
+                        proposed_token_count=verified.proposed_count))
+            elif kind == "draft_proposal":
+                ids, dists = draft_from(request.draft_proposal, session)
+                scored, ms = await self.host.run_step(session, history + len(ids), score_block, model,
+                                                      session, step, ids, dists, params, request.seed)
+                yield target_pb2.ScoreBlocksResponse(
+                    cache_length=scored.cache_length, compute_ms=ms,
+                    block_scores=target_pb2.BlockScores(
+                        target_probs=scored.scored.target_probs,
+                        recovered_token_ids=scored.scored.recovered_token_ids,
+                        bonus_token_id=scored.scored.bonus_token_id))
+            else:
+                raise InvalidRequest("the step sets no proposal: send draft_proposal (with no "
+                                     "tokens for a plain target step) or target_proposal")

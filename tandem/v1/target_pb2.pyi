@@ -8,42 +8,66 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ScoreBlocksRequest(_message.Message):
-    __slots__ = ("session_id", "cache_position", "new_token_ids", "draft_token_ids", "draft_distributions", "sampling", "seed", "target_proposer")
+    __slots__ = ("session_id", "cache_position", "new_token_ids", "sampling", "seed", "draft_proposal", "target_proposal")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     CACHE_POSITION_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    DRAFT_DISTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
-    TARGET_PROPOSER_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PROPOSAL_FIELD_NUMBER: _ClassVar[int]
+    TARGET_PROPOSAL_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     cache_position: int
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    draft_distributions: _containers.RepeatedCompositeFieldContainer[_common_pb2.SparseDistribution]
     sampling: _common_pb2.SamplingParams
     seed: int
-    target_proposer: _common_pb2.Proposer
-    def __init__(self, session_id: _Optional[str] = ..., cache_position: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_distributions: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., target_proposer: _Optional[_Union[_common_pb2.Proposer, str]] = ...) -> None: ...
+    draft_proposal: DraftProposal
+    target_proposal: TargetProposal
+    def __init__(self, session_id: _Optional[str] = ..., cache_position: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., draft_proposal: _Optional[_Union[DraftProposal, _Mapping]] = ..., target_proposal: _Optional[_Union[TargetProposal, _Mapping]] = ...) -> None: ...
+
+class DraftProposal(_message.Message):
+    __slots__ = ("token_ids", "distributions")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DISTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    distributions: _containers.RepeatedCompositeFieldContainer[_common_pb2.SparseDistribution]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., distributions: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ...) -> None: ...
+
+class TargetProposal(_message.Message):
+    __slots__ = ("proposer",)
+    PROPOSER_FIELD_NUMBER: _ClassVar[int]
+    proposer: _common_pb2.Proposer
+    def __init__(self, proposer: _Optional[_Union[_common_pb2.Proposer, str]] = ...) -> None: ...
 
 class ScoreBlocksResponse(_message.Message):
-    __slots__ = ("target_probs", "recovered_token_ids", "bonus_token_id", "cache_length", "compute_ms", "committed_token_ids", "proposed_token_count")
+    __slots__ = ("cache_length", "compute_ms", "block_scores", "verified_tree")
+    CACHE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SCORES_FIELD_NUMBER: _ClassVar[int]
+    VERIFIED_TREE_FIELD_NUMBER: _ClassVar[int]
+    cache_length: int
+    compute_ms: float
+    block_scores: BlockScores
+    verified_tree: VerifiedTree
+    def __init__(self, cache_length: _Optional[int] = ..., compute_ms: _Optional[float] = ..., block_scores: _Optional[_Union[BlockScores, _Mapping]] = ..., verified_tree: _Optional[_Union[VerifiedTree, _Mapping]] = ...) -> None: ...
+
+class BlockScores(_message.Message):
+    __slots__ = ("target_probs", "recovered_token_ids", "bonus_token_id")
     TARGET_PROBS_FIELD_NUMBER: _ClassVar[int]
     RECOVERED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BONUS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
-    CACHE_LENGTH_FIELD_NUMBER: _ClassVar[int]
-    COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
-    COMMITTED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    PROPOSED_TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
     target_probs: _containers.RepeatedScalarFieldContainer[float]
     recovered_token_ids: _containers.RepeatedScalarFieldContainer[int]
     bonus_token_id: int
-    cache_length: int
-    compute_ms: float
+    def __init__(self, target_probs: _Optional[_Iterable[float]] = ..., recovered_token_ids: _Optional[_Iterable[int]] = ..., bonus_token_id: _Optional[int] = ...) -> None: ...
+
+class VerifiedTree(_message.Message):
+    __slots__ = ("committed_token_ids", "proposed_token_count")
+    COMMITTED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROPOSED_TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
     committed_token_ids: _containers.RepeatedScalarFieldContainer[int]
     proposed_token_count: int
-    def __init__(self, target_probs: _Optional[_Iterable[float]] = ..., recovered_token_ids: _Optional[_Iterable[int]] = ..., bonus_token_id: _Optional[int] = ..., cache_length: _Optional[int] = ..., compute_ms: _Optional[float] = ..., committed_token_ids: _Optional[_Iterable[int]] = ..., proposed_token_count: _Optional[int] = ...) -> None: ...
+    def __init__(self, committed_token_ids: _Optional[_Iterable[int]] = ..., proposed_token_count: _Optional[int] = ...) -> None: ...
 
 class GetTokenizerRequest(_message.Message):
     __slots__ = ()

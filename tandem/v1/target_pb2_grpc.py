@@ -58,9 +58,10 @@ class TargetServiceServicer:
     """
 
     def ScoreBlocks(self, request_iterator, context):
-        """One stream is one session. The client sends a block per speculation step; the
-        service runs one forward pass over it and answers with what rejection
-        sampling needs. The session's KV cache is freed when the stream ends.
+        """One stream is one session. The client sends a proposal per speculation step (a drafted
+        block, or a proposer the target runs); the service runs one forward pass over it and
+        answers with what rejection sampling needs (block_scores) or with the tree it verified
+        (verified_tree). The session's KV cache is freed when the stream ends.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

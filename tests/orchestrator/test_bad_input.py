@@ -78,7 +78,7 @@ def test_bytes_that_do_not_parse_get_invalid_argument(tiny_stack: Stack) -> None
 
 
 def test_invalid_utf8_on_an_internal_stream(tiny_stack: Stack) -> None:
-    step = target_pb2.ScoreBlocksRequest(new_token_ids=[5]).SerializeToString()
+    step = target_pb2.ScoreBlocksRequest(new_token_ids=[5], draft_proposal=target_pb2.DraftProposal()).SerializeToString()
     with pytest.raises(grpc.RpcError) as err:
         call_raw(tiny_stack.targets[0].address, SCORE_BLOCKS, field(1, b"\xff") + step, True)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -26,7 +26,8 @@ from prometheus_client import REGISTRY
 from tiny import make_tokenizer
 
 from orchestrator import discovery
-from orchestrator.remote import EMPTY_BLOCK, TARGET_STUB, ReplicaPool, TargetSession
+from orchestrator.domain import EMPTY_BLOCK, TargetScores
+from orchestrator.remote import TARGET_STUB, ReplicaPool, TargetSession
 from orchestrator.service import OrchestratorConfig, OrchestratorService
 from tandem import models, sampling
 from tandem.server import RunningServer, start_server
@@ -313,10 +314,11 @@ class FakeTarget(target_pb2_grpc.TargetServiceServicer):
                 self.parked += 1
                 await self.hold.wait()
                 self.parked -= 1
-            drafted = list(request.draft_token_ids)
+            drafted = list(request.draft_proposal.token_ids)
             yield target_pb2.ScoreBlocksResponse(
-                target_probs=[1.0] * len(drafted), recovered_token_ids=drafted,
-                bonus_token_id=BONUS_TOKEN,
+                block_scores=target_pb2.BlockScores(
+                    target_probs=[1.0] * len(drafted), recovered_token_ids=drafted,
+                    bonus_token_id=BONUS_TOKEN),
                 cache_length=request.cache_position + len(request.new_token_ids) + len(drafted))
 
     async def GetModelInfo(self, request: common_pb2.GetModelInfoRequest,
@@ -726,6 +728,7 @@ def test_static_addresses_and_dns_names_still_work(tokenizer_dir: Path) -> None:
             params = sampling.SamplingParams(temperature=0.0)
             for session in sessions:  # least-loaded: one session on each replica
                 scores = await session.score([7, 8, 9], EMPTY_BLOCK, params, seed=1)
+                assert isinstance(scores, TargetScores)
                 assert scores.scored.bonus_token_id == BONUS_TOKEN
             assert sorted(r.active_sessions for r in pool.replicas) == [1, 1]
             for session in sessions:

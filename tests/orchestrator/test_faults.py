@@ -190,7 +190,7 @@ def test_sigterm_drains_in_flight_streams_then_exits_zero(one_of_each: Stack, re
                     return exc.code() == grpc.StatusCode.UNAVAILABLE
 
             wait_for(not_serving, "the draining target is NOT_SERVING or gone")
-            step = target_pb2.ScoreBlocksRequest(session_id="late", new_token_ids=[3])
+            step = target_pb2.ScoreBlocksRequest(session_id="late", new_token_ids=[3], draft_proposal=target_pb2.DraftProposal())
             try:
                 next(target_pb2_grpc.TargetServiceStub(channel).ScoreBlocks(iter([step]), timeout=10))
                 seen["new_session"] = grpc.StatusCode.OK

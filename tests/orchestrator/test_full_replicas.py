@@ -44,7 +44,8 @@ def _stream(process: Process, role: str) -> tuple[Any, Any]:
         return (draft_pb2_grpc.DraftServiceStub, "ProposeBlocks",
                 draft_pb2.ProposeBlocksRequest(new_token_ids=prompt, num_speculative_tokens=1,
                                                max_support_size=4))
-    return target_pb2_grpc.TargetServiceStub, "ScoreBlocks", target_pb2.ScoreBlocksRequest(new_token_ids=prompt)
+    return target_pb2_grpc.TargetServiceStub, "ScoreBlocks", target_pb2.ScoreBlocksRequest(
+        new_token_ids=prompt, draft_proposal=target_pb2.DraftProposal())
 
 
 def one_step(process: Process, role: str) -> Any:

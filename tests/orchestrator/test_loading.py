@@ -78,7 +78,7 @@ def test_requests_while_models_load_get_unavailable_then_are_served(loading: Sta
             iter([draft_pb2.ProposeBlocksRequest(new_token_ids=prompt, num_speculative_tokens=2,
                                                  max_support_size=4)]), timeout=30)),
         "ScoreBlocks": lambda channel: list(target_pb2_grpc.TargetServiceStub(channel).ScoreBlocks(
-            iter([target_pb2.ScoreBlocksRequest(new_token_ids=prompt)]), timeout=30)),
+            iter([target_pb2.ScoreBlocksRequest(new_token_ids=prompt, draft_proposal=target_pb2.DraftProposal())]), timeout=30)),
         "draft GetModelInfo": lambda channel: draft_pb2_grpc.DraftServiceStub(channel).GetModelInfo(
             common_pb2.GetModelInfoRequest(), timeout=30),
         "target GetModelInfo": lambda channel: target_pb2_grpc.TargetServiceStub(channel).GetModelInfo(

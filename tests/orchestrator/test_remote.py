@@ -4,6 +4,8 @@ The target services are real processes; the pool and the sessions run here, on a
 loop whose clock the test moves: a replica whose session broke (UNAVAILABLE) is avoided for
 FAILED_COOLDOWN_S and taken again after it; a replica that answered that it is up but full
 (RESOURCE_EXHAUSTED) is not avoided, and the session moves to another one.
+
+And a target whose answer is not of the protocol the step spoke is refused, never guessed at.
 """
 
 from __future__ import annotations
@@ -11,21 +13,23 @@ from __future__ import annotations
 import asyncio
 import signal
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 from tiny import PROMPTS, make_tokenizer
 
+from orchestrator.domain import EMPTY_BLOCK
 from orchestrator.remote import (
-    EMPTY_BLOCK,
     FAILED_COOLDOWN_S,
     TARGET_STUB,
     ReplicaPool,
     TargetSession,
 )
 from tandem import sampling
+from tandem.errors import Unavailable
 from tandem.launch import Process, spawn, wait_serving
-from tandem.v1 import target_pb2
+from tandem.v1 import target_pb2, target_pb2_grpc
 
 
 class ClockLoop(asyncio.SelectorEventLoop):
@@ -65,7 +69,7 @@ def test_a_dead_replica_is_avoided_for_the_cooldown_and_a_full_one_is_not(tiny_t
             # so the step moves to B, and A, which is up, is not avoided.
             async with grpc.aio.insecure_channel(a) as channel:
                 holder = TARGET_STUB(channel).ScoreBlocks()
-                await holder.write(target_pb2.ScoreBlocksRequest(new_token_ids=history))
+                await holder.write(target_pb2.ScoreBlocksRequest(new_token_ids=history, draft_proposal=target_pb2.DraftProposal()))
                 await holder.read()
                 first = TargetSession(pool, "first", None)
                 await first.score(history, EMPTY_BLOCK, greedy, 1)
@@ -121,3 +125,46 @@ def test_with_every_replica_cooling_down_the_one_that_failed_first_is_tried() ->
     with asyncio.Runner(loop_factory=ClockLoop) as runner:
         runner.run(scenario())
 
+
+
+class OtherProtocolTarget(target_pb2_grpc.TargetServiceServicer):  # type: ignore[misc]
+    """Answers every step with `answer`, whatever the step asked. A real target cannot be
+    made to: this stands for one of another version (one older than the oneof sends neither)."""
+
+    def __init__(self, answer: target_pb2.ScoreBlocksResponse) -> None:
+        self.answer = answer
+
+    async def ScoreBlocks(self, requests: Any, context: Any) -> Any:
+        async for _ in requests:
+            yield self.answer
+
+
+TREE = target_pb2.ScoreBlocksResponse(cache_length=1, verified_tree=target_pb2.VerifiedTree(
+    committed_token_ids=[5], proposed_token_count=3))
+SCORES = target_pb2.ScoreBlocksResponse(cache_length=1, block_scores=target_pb2.BlockScores(
+    bonus_token_id=5))
+
+
+@pytest.mark.parametrize("proposer, answer, refusal", [
+    ("", TREE, "answered a draft_proposal step with verified_tree"),
+    ("", target_pb2.ScoreBlocksResponse(cache_length=1), "answered a draft_proposal step with no result"),
+    ("lookahead", SCORES, "answered a target_proposal step with block_scores"),
+])
+def test_an_answer_of_the_other_protocol_is_refused(proposer: str, answer: target_pb2.ScoreBlocksResponse,
+                                                    refusal: str) -> None:
+    async def scenario() -> None:
+        server = grpc.aio.server()
+        target_pb2_grpc.add_TargetServiceServicer_to_server(OtherProtocolTarget(answer), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        pool = ReplicaPool([f"127.0.0.1:{port}"], TARGET_STUB)
+        session = TargetSession(pool, "s", None, proposer=proposer)
+        try:
+            with pytest.raises(Unavailable, match=refusal):
+                await session.score([5], EMPTY_BLOCK, sampling.SamplingParams(), 1)
+        finally:
+            await session.close()
+            await pool.close()
+            await server.stop(None)
+
+    asyncio.run(scenario())

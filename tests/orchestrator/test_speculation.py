@@ -69,11 +69,11 @@ class TreeTarget:
     synced = 0
 
     async def score(self, history: list[int], *args: Any) -> Any:
-        from orchestrator.remote import TargetScores
+        from orchestrator.domain import TreeCommit
 
         self.synced = len(history)
-        return TargetScores(sampling.ScoredBlock((), (), 0), len(history), compute_ms=50.0,
-                            committed_token_ids=(5, 6), proposed_count=19)
+        return TreeCommit(committed_token_ids=(5, 6), proposed_count=19,
+                          cache_length=len(history), compute_ms=50.0)
 
     def advance(self, cache_length: int, committed: int) -> None:
         pass

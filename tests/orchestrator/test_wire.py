@@ -1,5 +1,6 @@
 """What crosses the wire: each draft distribution is its top-K support, never a vocabulary row,
-and the prompt is sent to each service once.
+and the prompt is sent to each service once; a target step names its protocol (a oneof) and
+its answer comes back as that protocol's own domain type.
 
 A vocabulary of 16,386 tokens makes a dense row cost at least 65 KB (float32 probabilities
 alone), so `usage.wire_bytes` tells the two apart by orders of magnitude; the 36-token
@@ -16,6 +17,9 @@ import pytest
 import torch
 from tiny import make_draft_like, make_model
 
+from orchestrator import wire
+from orchestrator.domain import EMPTY_BLOCK, DraftBlock, TargetScores, TreeCommit
+from tandem import sampling
 from tandem.launch import Stack, start_stack
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2
 
@@ -69,7 +73,7 @@ def test_the_prompt_is_sent_once(large_vocab: Stack) -> None:
     """A 450-token prompt costs about 900 bytes per service: sent once to each, it is a fixed
     cost; resent with every step it would add that much again per step and service."""
     long = prompt(450, 2)
-    prompt_bytes = target_pb2.ScoreBlocksRequest(new_token_ids=long).ByteSize()
+    prompt_bytes = target_pb2.ScoreBlocksRequest(new_token_ids=long, draft_proposal=target_pb2.DraftProposal()).ByteSize()
     with large_vocab.client() as client:
         short_reply = client.generate(prompt(8, 2), max_new_tokens=40, temperature=1.0, seed=4,
                                       num_speculative_tokens=2, ignore_eos=True)
@@ -82,3 +86,31 @@ def test_the_prompt_is_sent_once(large_vocab: Stack) -> None:
     assert 2 * prompt_bytes > per_step
     assert long_usage.wire_bytes - 2 * prompt_bytes < 1.5 * steps * per_step
     assert long_usage.wire_bytes > 2 * prompt_bytes  # to the draft and to the target
+
+
+# --- a target step's two protocols ---------------------------------------------------------
+
+def test_a_target_step_names_its_proposal() -> None:
+    greedy = sampling.SamplingParams()
+    plain = wire.score_request_to_proto("s", 2, [5], EMPTY_BLOCK, "", greedy, 1)
+    assert plain.WhichOneof("proposal") == "draft_proposal"  # k=0: a draft proposal, no tokens
+    assert list(plain.draft_proposal.token_ids) == [] and plain.cache_position == 2
+    block = DraftBlock((3,), (sampling.SparseDistribution((3, 4), (0.75, 0.25)),), (0.75,), 4, 0.0)
+    drafted = wire.score_request_to_proto("s", 0, [5], block, "", greedy, 1)
+    assert list(drafted.draft_proposal.token_ids) == [3]
+    assert list(drafted.draft_proposal.distributions[0].token_ids) == [3, 4]
+    tree = wire.score_request_to_proto("s", 0, [5], EMPTY_BLOCK, "medusa", greedy, 1)
+    assert tree.WhichOneof("proposal") == "target_proposal"
+    assert tree.target_proposal.proposer == common_pb2.PROPOSER_MEDUSA
+
+
+def test_each_kind_of_answer_is_its_own_domain_type() -> None:
+    scores = target_pb2.ScoreBlocksResponse(cache_length=3, compute_ms=1.5,
+                                            block_scores=target_pb2.BlockScores(bonus_token_id=7))
+    assert wire.target_result_from_proto(scores) == TargetScores(
+        sampling.ScoredBlock((), (), 7), cache_length=3, compute_ms=1.5)
+    tree = target_pb2.ScoreBlocksResponse(cache_length=3, compute_ms=1.5, verified_tree=target_pb2.VerifiedTree(
+        committed_token_ids=[7], proposed_token_count=4))
+    assert wire.target_result_from_proto(tree) == TreeCommit((7,), 4, cache_length=3, compute_ms=1.5)
+    # Neither (a target older than the oneof): no guess from which fields are empty.
+    assert wire.target_result_from_proto(target_pb2.ScoreBlocksResponse(cache_length=3)) is None

@@ -39,6 +39,10 @@ def _draft(**fields: Any) -> draft_pb2.ProposeBlocksRequest:
     return draft_pb2.ProposeBlocksRequest(**{"num_speculative_tokens": 1, "max_support_size": 4, **fields})
 
 
+def _target(**fields: Any) -> target_pb2.ScoreBlocksRequest:
+    return target_pb2.ScoreBlocksRequest(**{"draft_proposal": target_pb2.DraftProposal(), **fields})
+
+
 CASES = {
     "draft": (draft_pb2_grpc.DraftServiceStub, "ProposeBlocks", _draft, [
         (_draft(new_token_ids=[5], num_speculative_tokens=65), grpc.StatusCode.INVALID_ARGUMENT,
@@ -50,17 +54,17 @@ CASES = {
         (_draft(cache_position=5000, new_token_ids=[5]), grpc.StatusCode.OUT_OF_RANGE,
          "beyond the session's cache length 0"),
     ]),
-    "target": (target_pb2_grpc.TargetServiceStub, "ScoreBlocks", target_pb2.ScoreBlocksRequest, [
-        (target_pb2.ScoreBlocksRequest(
-            new_token_ids=[5], draft_token_ids=[3] * 40,
-            draft_distributions=[common_pb2.SparseDistribution(token_ids=[4], probs=[1.0])] * 40),
+    "target": (target_pb2_grpc.TargetServiceStub, "ScoreBlocks", _target, [
+        (_target(new_token_ids=[5], draft_proposal=target_pb2.DraftProposal(
+            token_ids=[3] * 40,
+            distributions=[common_pb2.SparseDistribution(token_ids=[4], probs=[1.0])] * 40)),
          grpc.StatusCode.INVALID_ARGUMENT, "not in the support"),
-        (target_pb2.ScoreBlocksRequest(cache_position=5000, new_token_ids=[5]),
+        (_target(cache_position=5000, new_token_ids=[5]),
          grpc.StatusCode.OUT_OF_RANGE, "beyond the session's cache length 0"),
-        (target_pb2.ScoreBlocksRequest(new_token_ids=[5], sampling=common_pb2.SamplingParams(top_p=2.0),
-                                       draft_token_ids=[3] * 30,
-                                       draft_distributions=[common_pb2.SparseDistribution(
-                                           token_ids=[3], probs=[1.0])] * 30),
+        (_target(new_token_ids=[5], sampling=common_pb2.SamplingParams(top_p=2.0),
+                 draft_proposal=target_pb2.DraftProposal(
+                     token_ids=[3] * 30,
+                     distributions=[common_pb2.SparseDistribution(token_ids=[3], probs=[1.0])] * 30)),
          grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
     ]),
 }
@@ -94,6 +98,7 @@ def test_a_target_proposer_reserves_its_segment_not_a_fixed_block(budgeted: dict
     with grpc.insecure_channel(budgeted["target"].address) as channel:
         stub = target_pb2_grpc.TargetServiceStub(channel)
         [reply] = list(stub.ScoreBlocks(iter([target_pb2.ScoreBlocksRequest(
-            new_token_ids=[3 + i % 30 for i in range(78)], target_proposer=common_pb2.PROPOSER_LOOKAHEAD)]),
+            new_token_ids=[3 + i % 30 for i in range(78)], target_proposal=target_pb2.TargetProposal(
+                proposer=common_pb2.PROPOSER_LOOKAHEAD))]),
             timeout=60))
-    assert reply.cache_length == 78 and len(reply.committed_token_ids) >= 1
+    assert reply.cache_length == 78 and len(reply.verified_tree.committed_token_ids) >= 1
