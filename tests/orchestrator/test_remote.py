@@ -27,6 +27,8 @@ from tandem import sampling
 from tandem.launch import Process, spawn, wait_serving
 from tandem.v1 import target_pb2
 
+pytestmark = pytest.mark.slow  # its own target processes, killed and restarted (CI runs it)
+
 
 class ClockLoop(asyncio.SelectorEventLoop):
     """An event loop whose clock a test can move forward (timers only fire earlier)."""
