@@ -20,6 +20,8 @@ from tiny import PROMPTS
 
 from tandem.launch import Process, Stack, start_stack
 
+pytestmark = pytest.mark.slow  # its own stack of real processes, frozen and resumed (CI runs it)
+
 DEADLINE_S = 10.0  # the client's; generous, so the first tokens come well before it
 
 
