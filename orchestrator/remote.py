@@ -215,22 +215,26 @@ class RemoteSession:
                 await call.write(request)
                 written = True
                 response = await call.read()
-            except grpc.aio.AioRpcError as exc:
-                code = exc.code()
-                # A stream whose connection is gone before it sees the failure (the replica died
-                # between two steps) fails the write with INTERNAL: the step reached no replica.
-                if code == grpc.StatusCode.INTERNAL and not written:
+            except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
+                # A stream that ended between two steps (its replica died) refuses the write:
+                # with InvalidStateError once the channel has seen the loss (the status is the
+                # call's), with INTERNAL while it has not. Either way the step reached no replica.
+                if isinstance(exc, grpc.aio.AioRpcError):
+                    code, details = exc.code(), exc.details()
+                else:
+                    code, details = await call.code(), await call.details()
+                if not written and code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.OK):
                     code = grpc.StatusCode.UNAVAILABLE
                 # Callers see what went wrong downstream, never a bare UNKNOWN.
                 if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                     raise DeadlineExceeded("the request's deadline passed while generating") from exc
                 if code == grpc.StatusCode.INVALID_ARGUMENT:
                     raise ReplicaRefused(f"{method} on replica {where} refused this request: "
-                                         f"{exc.details()}") from exc
+                                         f"{details}") from exc
                 if code not in _REBUILD:
                     raise Unavailable(f"{method} on replica {where} failed: {code.name}: "
-                                      f"{exc.details()}") from exc
-                problem = f"{exc.code().name}: {exc.details()}"
+                                      f"{details}") from exc
+                problem = f"{code.name}: {details}"
             else:
                 if response is not grpc.aio.EOF:
                     self.wire_bytes += response.ByteSize()

@@ -21,6 +21,8 @@ from tandem import sampling
 from tandem.launch import Stack, spawn, start_stack, wait_serving
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
+pytestmark = pytest.mark.slow  # a stack of real processes per test (CI runs it)
+
 LENGTH = 40
 SUPPORT = 8
 

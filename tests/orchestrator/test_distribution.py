@@ -35,6 +35,8 @@ from orchestrator.proposers import lookup
 from tandem import sampling
 from tandem.launch import Stack, start_stack
 
+pytestmark = pytest.mark.slow  # tens of thousands of sampled requests: minutes (CI runs it)
+
 ALPHA = 1e-3
 SAMPLES = 3000
 PROMPT = [2, 3, 2]

@@ -19,6 +19,8 @@ from tiny import PROMPTS
 
 from tandem.launch import Process, Stack, spawn, start_stack, wait_serving
 
+pytestmark = pytest.mark.slow  # a stack of real processes per test: minutes (CI runs it)
+
 LENGTH = 300  # long enough that a fault lands mid-request
 
 

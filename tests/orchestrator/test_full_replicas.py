@@ -23,6 +23,8 @@ from tiny import PROMPTS, make_tokenizer
 from tandem.launch import Process, Stack, start_stack
 from tandem.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
+pytestmark = pytest.mark.slow  # its own stacks of real processes (CI runs it)
+
 LENGTH = 30
 FULL = "max_sessions (1) sessions are open on this replica"
 

@@ -23,6 +23,8 @@ from tandem.launch import Process, Stack, spawn, wait_serving
 from tandem.server import CHANNEL_OPTIONS
 from tandem.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 
+pytestmark = pytest.mark.slow  # a thousand requests through real processes (CI runs it)
+
 CAP = 8  # --max-new-tokens-cap of the fuzzed orchestrator
 DEFAULT = 2  # its --default-max-new-tokens
 ACCEPTED = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT,

@@ -23,6 +23,8 @@ from tiny import PROMPTS, make_tokenizer
 from tandem.launch import Process, Stack, spawn, wait_serving
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
+pytestmark = pytest.mark.slow  # its own stacks of real processes (CI runs it)
+
 GATED = Path(__file__).parent.parent / "gated_replica.py"
 
 

@@ -1,9 +1,9 @@
 """Which replica a lost session is rebuilt on: the cooldown of a failed replica.
 
 The target services are real processes; the pool and the sessions run here, on an event
-loop whose clock the test moves: a replica whose session broke (UNAVAILABLE) is avoided for
-FAILED_COOLDOWN_S and taken again after it; a replica that answered that it is up but full
-(RESOURCE_EXHAUSTED) is not avoided, and the session moves to another one.
+loop whose clock the test moves: a replica whose session broke (it died, even between two
+steps) is avoided for FAILED_COOLDOWN_S and taken again after it; a replica that answered that
+it is up but full (RESOURCE_EXHAUSTED) is not avoided, and the session moves to another one.
 
 And a target whose answer is not of the protocol the step spoke is refused, never guessed at.
 """
@@ -31,6 +31,8 @@ from tandem.errors import Unavailable
 from tandem.launch import Process, spawn, wait_serving
 from tandem.v1 import target_pb2, target_pb2_grpc
 
+pytestmark = pytest.mark.slow  # its own target processes, killed and restarted (CI runs it)
+
 
 class ClockLoop(asyncio.SelectorEventLoop):
     """An event loop whose clock a test can move forward (timers only fire earlier)."""
@@ -54,7 +56,7 @@ def spawn_target(model: Path, *args: str) -> Process:
 def test_a_dead_replica_is_avoided_for_the_cooldown_and_a_full_one_is_not(tiny_target: Path) -> None:
     history = make_tokenizer().encode(PROMPTS[0])
     greedy = sampling.SamplingParams()
-    target_a = spawn_target(tiny_target, "--max-sessions", "1")
+    target_a = spawn_target(tiny_target, "--max-sessions", "2")
     target_b = spawn_target(tiny_target)
     a, b = target_a.address, target_b.address
 
@@ -64,29 +66,40 @@ def test_a_dead_replica_is_avoided_for_the_cooldown_and_a_full_one_is_not(tiny_t
         pool = ReplicaPool([a, b], TARGET_STUB)
         replica_a, replica_b = pool.get(a), pool.get(b)
         assert replica_a is not None and replica_b is not None
+        sessions = [TargetSession(pool, name, None) for name in ("first", "second")]
         try:
-            # A holds its one session: a new session's first choice (A, listed first) is full,
-            # so the step moves to B, and A, which is up, is not avoided.
+            # A is full: each new session's first choice (A, listed first) refuses it, so the
+            # step moves to B, and A, which is up, is not avoided.
             async with grpc.aio.insecure_channel(a) as channel:
-                holder = TARGET_STUB(channel).ScoreBlocks()
-                await holder.write(target_pb2.ScoreBlocksRequest(new_token_ids=history, draft_proposal=target_pb2.DraftProposal()))
-                await holder.read()
-                first = TargetSession(pool, "first", None)
-                await first.score(history, EMPTY_BLOCK, greedy, 1)
-                assert first.replica is replica_b and first.rebuilds == 1
+                holders = [TARGET_STUB(channel).ScoreBlocks() for _ in range(2)]
+                for holder in holders:
+                    await holder.write(target_pb2.ScoreBlocksRequest(
+                        new_token_ids=history, draft_proposal=target_pb2.DraftProposal()))
+                    await holder.read()
+                for session in sessions:
+                    await session.score(history, EMPTY_BLOCK, greedy, 1)
+                    assert session.replica is replica_b and session.rebuilds == 1
+                    session.advance(len(history), len(history))
                 assert replica_a.failed_until == 0.0
-                holder.cancel()
+                for holder in holders:
+                    holder.cancel()
 
-            # B dies: the session's next step breaks there, and is rebuilt on A (free again).
+            # B dies between two steps. The first session steps at once, before its channel may
+            # have seen the loss (the write fails INTERNAL); the second once its stream has
+            # ended (the write fails InvalidStateError). Both are rebuilt on A.
             target_b.proc.send_signal(signal.SIGKILL)
             target_b.proc.wait()
-            first.advance(len(history), len(history))
-            await first.score(history + [5], EMPTY_BLOCK, greedy, 2)
-            assert first.replica is replica_a and first.rebuilds == 2
+            await sessions[0].score(history + [5], EMPTY_BLOCK, greedy, 2)
+            stream = sessions[1]._call
+            while not stream.done():
+                await asyncio.sleep(0.05)
+            await sessions[1].score(history + [5], EMPTY_BLOCK, greedy, 2)
+            for session in sessions:
+                assert session.replica is replica_a and session.rebuilds == 2
             assert replica_b.failed_until == pytest.approx(loop.time() + FAILED_COOLDOWN_S, abs=1.0)
 
             # During the cooldown, new sessions avoid B though it is the least loaded...
-            assert (replica_a.active_sessions, replica_b.active_sessions) == (1, 0)
+            assert (replica_a.active_sessions, replica_b.active_sessions) == (2, 0)
             assert pool.acquire() is replica_a
             loop.offset += FAILED_COOLDOWN_S - 1.0
             assert pool.acquire() is replica_a
@@ -94,7 +107,8 @@ def test_a_dead_replica_is_avoided_for_the_cooldown_and_a_full_one_is_not(tiny_t
             loop.offset += 2.0
             assert pool.acquire() is replica_b
         finally:
-            await first.close()
+            for session in sessions:
+                await session.close()
             await pool.close()
 
     try:

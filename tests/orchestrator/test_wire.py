@@ -23,6 +23,8 @@ from tandem import sampling
 from tandem.launch import Stack, start_stack
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2
 
+pytestmark = pytest.mark.slow  # its own stack, a 16k-token vocabulary (CI runs it)
+
 # One character per token: 16,384 CJK ideographs, plus <eos> and <unk>.
 CHARS = "".join(chr(0x4E00 + i) for i in range(16384))
 VOCAB = len(CHARS) + 2

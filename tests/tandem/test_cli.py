@@ -18,6 +18,8 @@ from replicas import replica_state, wait_for_baseline
 from tandem.cli import build_parser
 from tandem.launch import Stack, start_stack
 
+pytestmark = pytest.mark.slow  # tandem up and stacks of real processes (CI runs it)
+
 
 def _generate_parser() -> argparse.ArgumentParser:
     parser = build_parser(only="generate")

@@ -11,9 +11,12 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 from fakes import Output, stop
 
 from tandem.launch import start_stack
+
+pytestmark = pytest.mark.slow  # real processes, tandem up and stacks, per test (CI runs it)
 
 
 def test_the_orchestrator_binds_the_host_asked_for_and_the_replicas_stay_local(tiny_target: Path) -> None:
@@ -55,8 +58,6 @@ def _alive(pids: set[int]) -> set[int]:
 
 def test_a_failed_start_stops_the_services_already_started(tiny_draft: Path, tiny_target: Path) -> None:
     import socket
-
-    import pytest
 
     before = _children(os.getpid())
     with socket.socket() as busy:
