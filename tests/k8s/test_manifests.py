@@ -388,7 +388,8 @@ def test_config_sets_only_real_flags_with_valid_values(manifests: Manifests, com
 
 def test_images_are_pinned_and_shared(manifests: Manifests) -> None:
     images = {c["image"] for component in COMPONENTS
-              for c in manifests.pod(component)["containers"] + manifests.pod(component)["initContainers"]}
+              for c in manifests.pod(component)["containers"]
+              + manifests.pod(component).get("initContainers", [])}
     assert len(images) == 1, f"one image serves every container, got {images}"
     [image] = images
     tag = image.rpartition(":")[2] if ":" in image.rpartition("/")[2] else ""
@@ -427,12 +428,30 @@ def test_metrics_port_is_served_announced_and_exposed(manifests: Manifests, comp
 
 
 def test_model_weights_are_fetched_into_the_cache_not_baked(manifests: Manifests) -> None:
-    for component in COMPONENTS:
+    for component in ("draft", "target"):
         pod = manifests.pod(component)
         [init] = pod["initContainers"]
         assert any("fetch_model.py" in part for part in init["command"])
         cache = {v["name"]: v for v in pod["volumes"]}["cache"]
         assert "emptyDir" in cache or "persistentVolumeClaim" in cache
+
+
+def test_the_orchestrator_needs_no_model_files(manifests: Manifests) -> None:
+    """It reads the tokenizer from a target replica: no init container converts a model."""
+    pod = manifests.pod("orchestrator")
+    assert not pod.get("initContainers")
+    assert "TANDEM_TOKENIZER" not in manifests.env(manifests.container("orchestrator"))
+
+
+def test_the_orchestrator_serves_the_http_api(manifests: Manifests) -> None:
+    [service] = [d for d in manifests.of_kind("Service")
+                 if d["metadata"]["name"].endswith("orchestrator")]
+    ports = {p["name"]: p for p in service["spec"]["ports"]}
+    assert ports["http"]["port"] == 8000 and ports["http"]["targetPort"] == "http"
+    container_ports = {p["name"]: p["containerPort"]
+                       for p in manifests.container("orchestrator")["ports"]}
+    env = manifests.env(manifests.container("orchestrator"))
+    assert container_ports["http"] == int(env["TANDEM_HTTP_PORT"])
 
 
 def test_the_base_renders_and_validates_on_its_own() -> None:
