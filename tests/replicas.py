@@ -11,11 +11,11 @@ GAUGES = ("tandem_sessions_active", "tandem_kv_cached_tokens")
 
 
 def replica_state(stack: Stack) -> dict[str, float]:
-    """Open sessions, cached tokens and sessions ever opened, per replica."""
+    """Open sessions, cached tokens, sessions ever opened and steps served, per replica."""
     state = {}
     for role, replica in (("draft", stack.drafts[0]), ("target", stack.targets[0])):
         samples = replica.metrics()
-        for name in (*GAUGES, "tandem_sessions_total"):
+        for name in (*GAUGES, "tandem_sessions_total", "tandem_replica_step_duration_seconds_count"):
             state[f"{role} {name}"] = samples.get(name, 0.0)
     return state
 

@@ -14,30 +14,19 @@ import contextlib
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 
 import grpc
+from replicas import replica_state, wait_for_baseline
 
 from tandem.launch import Stack
 from tandem.server import CHANNEL_OPTIONS
 from tandem.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
-GAUGES = ("tandem_sessions_active", "tandem_kv_cached_tokens")
 LENGTH, K = 480, 4
 STEPS = "target tandem_replica_step_duration_seconds_count"
 # Target passes one whole request takes at the least: every drafted token accepted, plus a bonus.
 STEPS_TO_FINISH = LENGTH // (K + 1)
-
-
-def replica_state(stack: Stack) -> dict[str, float]:
-    """Open sessions, cached tokens, sessions ever opened and steps served, per replica."""
-    state = {}
-    for role, replica in (("draft", stack.drafts[0]), ("target", stack.targets[0])):
-        samples = replica.metrics()
-        for name in (*GAUGES, "tandem_sessions_total", "tandem_replica_step_duration_seconds_count"):
-            state[f"{role} {name}"] = samples.get(name, 0.0)
-    return state
 
 
 @contextlib.contextmanager
@@ -55,17 +44,6 @@ def assert_stopped_early(state: dict[str, float], baseline: dict[str, float], re
     """Fewer target steps than one request needed to finish: none of them ran on to its end."""
     steps = state[STEPS] - baseline[STEPS]
     assert steps < STEPS_TO_FINISH, f"{steps} target steps for {requests} cancelled requests"
-
-
-def wait_for_baseline(stack: Stack, baseline: dict[str, float], timeout: float = 60.0) -> dict[str, float]:
-    deadline = time.monotonic() + timeout
-    while True:
-        state = replica_state(stack)
-        gauges = {k: v for k, v in state.items() if k.endswith(GAUGES)}
-        if gauges == {k: v for k, v in baseline.items() if k.endswith(GAUGES)}:
-            return state
-        assert time.monotonic() < deadline, f"replicas did not return to {baseline}: {state}"
-        time.sleep(0.1)
 
 
 def request(prompt: str) -> orchestrator_pb2.GenerateRequest:
