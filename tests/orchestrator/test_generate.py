@@ -68,6 +68,7 @@ def lookahead_stacks(tiny_stack: Stack, tiny_target: Path) -> Iterator[dict[str,
     other.stop()
 
 
+@pytest.mark.slow  # a stack of its own (CI runs it)
 @pytest.mark.parametrize("wng", ["5,3,5", "3,4,2"])
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_lookahead_greedy_output_equals_target_generate(lookahead_stacks: dict[str, Stack], reference,  # type: ignore[no-untyped-def]
@@ -176,6 +177,7 @@ def medusa_stack(tiny_target: Path, tiny_medusa: Path) -> Iterator[Stack]:
     stack.stop()
 
 
+@pytest.mark.slow  # a stack of its own (CI runs it)
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_medusa_greedy_output_equals_target_generate(medusa_stack: Stack, reference, prompt: str) -> None:  # type: ignore[no-untyped-def]
     with medusa_stack.client() as client:
@@ -189,6 +191,7 @@ def test_medusa_greedy_output_equals_target_generate(medusa_stack: Stack, refere
     assert usage.completion_tokens <= usage.accepted_tokens + usage.target_forward_passes
 
 
+@pytest.mark.slow  # a stack of its own (CI runs it)
 def test_medusa_sampling_is_seeded(medusa_stack: Stack) -> None:
     with medusa_stack.client() as client:
         runs = [client.generate(PROMPTS[0], max_new_tokens=LENGTH, temperature=1.0, seed=seed,
@@ -203,6 +206,7 @@ def test_medusa_is_refused_where_the_target_has_no_heads(tiny_stack: Stack) -> N
     assert "proposer medusa is not offered" in err.value.details()
 
 
+@pytest.mark.slow  # a stack of its own (CI runs it)
 def test_a_default_proposer_no_target_runs_stops_the_orchestrator_at_start(tiny_target: Path) -> None:
     """Not INVALID_ARGUMENT for every request that leaves the proposer unset, blaming the client."""
     with pytest.raises(RuntimeError) as err:
@@ -213,6 +217,7 @@ def test_a_default_proposer_no_target_runs_stops_the_orchestrator_at_start(tiny_
 
 # --- A draft that never agrees: the first drafted token is rejected at every step ---
 
+@pytest.mark.slow  # a stack of its own (CI runs it)
 def test_first_draft_token_rejected_every_step(tiny_dir: Path, tiny_target: Path, reference) -> None:  # type: ignore[no-untyped-def]
     unrelated = make_model(tiny_dir / "unrelated", seed=99)
     stack = start_stack(str(unrelated), str(tiny_target))
@@ -253,6 +258,7 @@ def identical_stack(eos_model: tuple[Path, list[int], int]) -> Stack:
     stack.stop()
 
 
+@pytest.mark.slow  # a stack of its own (CI runs it)
 def test_all_drafted_tokens_accepted_takes_bonus(identical_stack: Stack, eos_model) -> None:  # type: ignore[no-untyped-def]
     _, ids, _ = eos_model
     with identical_stack.client() as client:
@@ -265,6 +271,7 @@ def test_all_drafted_tokens_accepted_takes_bonus(identical_stack: Stack, eos_mod
     assert usage.target_forward_passes == 1 + -(-(LENGTH - 1) // 5)
 
 
+@pytest.mark.slow  # a stack of its own (CI runs it)
 def test_eos_inside_an_accepted_block(identical_stack: Stack, eos_model) -> None:  # type: ignore[no-untyped-def]
     path, ids, index = eos_model
     expected = greedy_reference(path, make_tokenizer().encode(PROMPTS[0]), LENGTH, eos_token_id=ids[index])
@@ -275,6 +282,7 @@ def test_eos_inside_an_accepted_block(identical_stack: Stack, eos_model) -> None
     assert reply.usage.completion_tokens == index + 1
 
 
+@pytest.mark.slow  # a stack of its own (CI runs it)
 @pytest.mark.parametrize("max_new_tokens", [1, 2, 7, 9])
 def test_max_new_tokens_reached_mid_block(identical_stack: Stack, eos_model, max_new_tokens: int) -> None:  # type: ignore[no-untyped-def]
     _, ids, _ = eos_model
@@ -321,6 +329,7 @@ def test_invalid_requests_get_invalid_argument(tiny_stack: Stack, fields: dict, 
         assert client.generate("hello", max_new_tokens=3).usage.completion_tokens == 3
 
 
+@pytest.mark.slow  # a stack of its own (CI runs it)
 def test_mismatched_tokenizers_are_refused(tiny_dir: Path, tiny_target: Path) -> None:
     other = make_model(tiny_dir / "other-vocab", seed=4, chars="0123456789+-*/ ")
     with pytest.raises(RuntimeError, match="does not share a tokenizer"):
@@ -329,6 +338,7 @@ def test_mismatched_tokenizers_are_refused(tiny_dir: Path, tiny_target: Path) ->
 
 # --- A lost replica: a clear UNAVAILABLE naming it, never UNKNOWN ---
 
+@pytest.mark.slow  # a stack of its own (CI runs it)
 def test_lost_target_replica_gives_unavailable(tiny_draft: Path, tiny_target: Path) -> None:
     stack = start_stack(str(tiny_draft), str(tiny_target))
     try:

@@ -26,6 +26,8 @@ CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{%
                  "{% if add_generation_prompt %}assistant:{% endif %}")
 PROMPT = "def fib(n):"
 
+pytestmark = pytest.mark.slow  # stacks of its own (CI runs it)
+
 
 def http_url(process: Process) -> str:
     return process.wait_http_url()

@@ -21,6 +21,8 @@ from tandem.v1 import common_pb2, target_pb2, target_pb2_grpc
 CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<assistant>{% endif %}")
 
+pytestmark = pytest.mark.slow  # stacks of its own (CI runs it)
+
 
 @pytest.fixture(scope="module")
 def chat_target(tiny_target: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Process]:

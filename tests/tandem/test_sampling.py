@@ -158,12 +158,14 @@ def test_speculative_sampling_matches_target_distribution() -> None:
     assert p_value(counts, exact) > ALPHA
 
 
+@pytest.mark.slow  # a mutant's chi-square run (CI runs it)
 def test_statistical_test_catches_a_broken_acceptance_rule() -> None:
     """The test above has power: accepting every drafted token (output ~ q) fails it."""
     counts, exact = _two_tokens(lambda p, q, u: len(p), trials=20_000)
     assert p_value(counts, exact) < ALPHA
 
 
+@pytest.mark.slow  # a mutant's chi-square run (CI runs it)
 def test_statistical_test_catches_a_subtly_wrong_acceptance_rule() -> None:
     """Accepting with probability min(1, p) instead of min(1, p/q) also fails."""
     counts, exact = _two_tokens(lambda p, q, u: sampling.num_accepted(p, [1.0] * len(p), u),
@@ -212,6 +214,7 @@ def test_the_bonus_token_follows_the_target() -> None:
     assert p_value(counts, exact) > ALPHA
 
 
+@pytest.mark.slow  # a mutant's chi-square run (CI runs it)
 def test_statistical_test_catches_a_bonus_from_the_wrong_position() -> None:
     """Power: the bonus token drawn from the last drafted position's p instead of the next one's."""
     import dataclasses
@@ -229,6 +232,7 @@ def test_a_truncated_draft_distribution_stays_exact() -> None:
     assert p_value(counts, exact) > ALPHA
 
 
+@pytest.mark.slow  # a mutant's chi-square run (CI runs it)
 def test_statistical_test_catches_a_draft_that_samples_outside_what_it_sends() -> None:
     counts, exact = _three_tokens(trials=20_000, support=2, sample_from_truncated=False)
     assert p_value(counts, exact) < ALPHA
@@ -297,6 +301,7 @@ def test_tree_verification_matches_target_distribution() -> None:
     assert p_value(counts, exact) > ALPHA
 
 
+@pytest.mark.slow  # a mutant's chi-square run (CI runs it)
 def test_tree_statistical_test_catches_always_keeping_the_first_candidate() -> None:
     def keep_first(probs, tokens, parents, rng):  # type: ignore[no-untyped-def]
         return sampling.TreeVerdict((0,), int(sampling.sample(probs[1][None], rng)[0]))
@@ -320,6 +325,7 @@ TREE_MUTANTS = {
 }
 
 
+@pytest.mark.slow  # a mutant's chi-square run (CI runs it)
 @pytest.mark.parametrize("edit", TREE_MUTANTS.values(), ids=TREE_MUTANTS.keys())
 def test_tree_statistical_test_catches_a_broken_verify_tree(edit: tuple[str, str]) -> None:
     counts, exact = _tree_two_tokens(trials=20_000, verify=mutant(sampling.verify_tree, *edit))
