@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,22 +43,30 @@ def open_sessions(process: Process) -> float:
 def test_replicas_end_their_sessions_at_the_deadline_while_the_orchestrator_is_frozen(watched: Stack) -> None:
     orchestrator = watched.orchestrator.proc
     draft, dead, survivor = watched.drafts[0], watched.targets[0], watched.targets[1]
-    tokens: list[int] = []
-    deltas = 0
-    with watched.client() as client, pytest.raises(grpc.RpcError) as err:
-        for message in client.generate_stream(PROMPTS[0], max_new_tokens=480, ignore_eos=True,
-                                              num_speculative_tokens=4, timeout=DEADLINE_S):
-            tokens.extend(message.delta.token_ids)
-            deltas += 1
-            if deltas == 1:
-                # The first session went to the first target: the next step reopens on the other.
-                dead.proc.send_signal(signal.SIGKILL)
-            elif deltas == 3:
-                # Steps have run on the reopened stream: freeze the orchestrator with it open.
+    seen: list[tuple[float, float]] = []  # the sessions open when the orchestrator froze
+
+    def freeze_once_reopened() -> None:
+        # The orchestrator runs ahead of the stream's reader: watch the replica for the reopened
+        # stream itself, and freeze the orchestrator while it is open.
+        deadline = time.monotonic() + DEADLINE_S
+        while time.monotonic() < deadline:
+            if open_sessions(survivor) == 1:
                 os.kill(orchestrator.pid, signal.SIGSTOP)
-                assert (open_sessions(draft), open_sessions(survivor)) == (1, 1)
+                seen.append((open_sessions(draft), open_sessions(survivor)))
+                return
+            time.sleep(0.01)
+
+    watcher = threading.Thread(target=freeze_once_reopened)
+    with watched.client() as client, pytest.raises(grpc.RpcError) as err:
+        for _ in client.generate_stream(PROMPTS[0], max_new_tokens=480, ignore_eos=True,
+                                        num_speculative_tokens=4, timeout=DEADLINE_S):
+            if watcher.ident is None:  # the first tokens
+                # The first session went to the first target: a later step reopens on the other.
+                dead.proc.send_signal(signal.SIGKILL)
+                watcher.start()
+    watcher.join()
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert deltas >= 3, f"only {deltas} deltas before the {DEADLINE_S}s deadline"
+    assert seen == [(1, 1)], "the orchestrator was not frozen with both sessions open"
     assert any("lost on target replica" in line for line in watched.orchestrator.lines)
 
     # The orchestrator stays frozen: only the deadline on the replicas' streams can end them,
