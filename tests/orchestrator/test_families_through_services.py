@@ -31,6 +31,8 @@ from tandem.v1 import common_pb2
 LENGTH = 40
 SLIDING_WINDOW = 8
 
+pytestmark = pytest.mark.slow  # stacks of its own, per family (CI runs it)
+
 
 def save_family(path: Path, model_class: type[PreTrainedModel], config_class: type[PretrainedConfig],
                 seed: int, **extra: object) -> Path:
