@@ -204,6 +204,8 @@ def test_medusa_is_refused_where_the_target_has_no_heads(tiny_stack: Stack) -> N
         client.generate(PROMPTS[0], max_new_tokens=4, proposer="medusa")
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "proposer medusa is not offered" in err.value.details()
+    with tiny_stack.client() as client:  # ...and the next request is served
+        assert client.generate(PROMPTS[0], max_new_tokens=2).usage.completion_tokens == 2
 
 
 @pytest.mark.slow  # a stack of its own (CI runs it)
