@@ -161,8 +161,9 @@ def _up(args: argparse.Namespace) -> None:
                  "target": stack.targets[0]}
     try:  # from here on, whatever ends `tandem up` (Ctrl-C included) stops the services
         http = stack.orchestrator.wait_http_url() if args.http_port >= 0 else None
-        print(f"Tandem is ready: orchestrator listening on {stack.address} (gRPC)"
-              + (f" and {http}/v1 (OpenAI-compatible HTTP)" if http else "") + "\n"
+        # Machine-readable: the first line ends with the gRPC address (the tests read it).
+        print(f"Tandem is ready: orchestrator listening on {stack.address}\n"
+              + (f"  OpenAI-compatible HTTP API: {http}/v1\n" if http else "") +
               f"  try, in another shell: tandem generate --address {stack.address} "
               f"\"def fibonacci(n):\"\n"
               f"  stop with Ctrl-C (or SIGTERM); logs in {logs}", flush=True)

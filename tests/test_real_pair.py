@@ -45,7 +45,8 @@ def tandem_up(references: dict[str, list[int]], tmp_path_factory: pytest.TempPat
     """`tandem up` on port 0; the address is read back from its ready line. float32, as the
     references are (auto would pick bfloat16 on a CPU with bf16 instructions)."""
     logs = tmp_path_factory.mktemp("logs")
-    proc = subprocess.Popen([sys.executable, "-m", "tandem.cli", "up", "--port", "0", "--dtype", "float32",
+    proc = subprocess.Popen([sys.executable, "-m", "tandem.cli", "up", "--port", "0", "--http-port", "0",
+                             "--dtype", "float32",
                              "--log-dir", str(logs)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)  # its own group: killed with its services below

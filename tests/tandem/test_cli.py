@@ -178,7 +178,8 @@ def test_tandem_up_says_where_its_logs_are_and_that_it_stops(
     logs = tmp_path / "logs"
     up = subprocess.Popen(
         [sys.executable, "-m", "tandem.cli", "up", "--draft", str(tiny_draft), "--target",
-         str(tiny_target), "--port", "0", "--dtype", "float32", "--log-dir", str(logs)],
+         str(tiny_target), "--port", "0", "--http-port", "0", "--dtype", "float32",
+         "--log-dir", str(logs)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
     try:

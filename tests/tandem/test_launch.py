@@ -74,7 +74,7 @@ def _tandem_up(tiny_draft: Path, tiny_target: Path,
     """`tandem up` on the tiny pair, in a process group of its own: on the way out, whatever
     the test left of it and of the services it started is killed."""
     up = subprocess.Popen([sys.executable, "-m", "tandem.cli", "up", "--draft", str(tiny_draft),
-                           "--target", str(tiny_target), "--port", "0",
+                           "--target", str(tiny_target), "--port", "0", "--http-port", "0",
                            "--log-dir", str(log_dir)],
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           start_new_session=True)
