@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import math
 import socket
 import time
@@ -34,8 +33,6 @@ from tandem.errors import (
     Unavailable,
 )
 from tandem.security import BearerTokenAuth
-
-log = logging.getLogger(__name__)
 
 # What a request may set. Unknown fields are refused (400, naming them): a typo such as
 # "max_token" silently meaning the default would be worse.

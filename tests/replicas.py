@@ -4,6 +4,11 @@ a baseline with a deadline (sessions close just after a stream's last message)."
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+from tiny import PROMPTS
 
 from tandem.launch import Stack
 
@@ -29,3 +34,25 @@ def wait_for_baseline(stack: Stack, baseline: dict[str, float], timeout: float =
             return state
         assert time.monotonic() < deadline, f"replicas did not return to {baseline}: {state}"
         time.sleep(0.1)
+
+
+FAULT_LENGTH = 300  # tokens: long enough that a fault lands mid-request
+
+
+def stream_with_fault(stack: Stack, fault: Callable[[], None], **kwargs: Any) -> tuple[list[int], Any]:
+    """Stream PROMPTS[0] (EOS ignored, FAULT_LENGTH tokens); run `fault` once the first tokens
+    arrive. Returns (tokens, the summary or the call's error)."""
+    tokens: list[int] = []
+    with stack.client() as client:
+        try:
+            for message in client.generate_stream(PROMPTS[0], max_new_tokens=FAULT_LENGTH,
+                                                  **{"ignore_eos": True, **kwargs}):
+                if message.HasField("delta"):
+                    if not tokens:
+                        fault()
+                    tokens.extend(message.delta.token_ids)
+                else:
+                    return tokens, message.summary
+        except grpc.RpcError as exc:
+            return tokens, exc
+    raise AssertionError("the stream ended without a summary")

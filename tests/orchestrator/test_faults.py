@@ -15,13 +15,13 @@ from pathlib import Path
 
 import grpc
 import pytest
+from replicas import FAULT_LENGTH, stream_with_fault
 from tiny import PROMPTS
 
 from tandem.launch import Process, Stack, spawn, start_stack, wait_serving
 
 pytestmark = pytest.mark.slow  # a stack of real processes per test: minutes (CI runs it)
 
-LENGTH = 300  # long enough that a fault lands mid-request
 
 
 def respawn(process: Process, role: str, model: Path) -> Process:
@@ -30,24 +30,6 @@ def respawn(process: Process, role: str, model: Path) -> Process:
     again = spawn([role, "--model", str(model), "--dtype", "float32", "--threads", "1"], port=port)
     wait_serving(again)
     return again
-
-
-def stream_with_fault(stack: Stack, fault: Callable[[], None], **kwargs: object) -> tuple[list[int], object]:
-    """Stream PROMPTS[0]; run `fault` once the first tokens arrive. Returns (tokens, summary or error)."""
-    tokens: list[int] = []
-    with stack.client() as client:
-        try:
-            for message in client.generate_stream(PROMPTS[0], max_new_tokens=LENGTH, ignore_eos=True,
-                                                  **kwargs):  # type: ignore[arg-type]
-                if message.HasField("delta"):
-                    if not tokens:
-                        fault()
-                    tokens.extend(message.delta.token_ids)
-                else:
-                    return tokens, message.summary
-        except grpc.RpcError as exc:
-            return tokens, exc
-    raise AssertionError("the stream ended without a summary")
 
 
 def wait_for(condition: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
@@ -77,8 +59,8 @@ def test_draft_killed_mid_request_moves_to_the_other_draft(two_of_each: Stack, r
     victim = two_of_each.drafts[0]
     tokens, summary = stream_with_fault(two_of_each, lambda: victim.proc.send_signal(signal.SIGKILL),
                                         num_speculative_tokens=4)
-    assert tokens == reference(PROMPTS[0], LENGTH)
-    assert summary.usage.completion_tokens == LENGTH  # type: ignore[attr-defined]
+    assert tokens == reference(PROMPTS[0], FAULT_LENGTH)
+    assert summary.usage.completion_tokens == FAULT_LENGTH  # type: ignore[attr-defined]
     # The first session went to the first replica (least loaded, in order), so it was rebuilt.
     assert any("lost on draft replica" in line for line in two_of_each.orchestrator.lines)
     assert summary.usage.drafted_tokens > 0  # type: ignore[attr-defined]
@@ -90,8 +72,8 @@ def test_target_killed_mid_request_is_rebuilt_on_the_other_target(two_of_each: S
     tokens, summary = stream_with_fault(
         two_of_each, lambda: two_of_each.targets[0].proc.send_signal(signal.SIGKILL),
         num_speculative_tokens=4)
-    assert tokens == reference(PROMPTS[0], LENGTH)
-    assert summary.usage.completion_tokens == LENGTH  # type: ignore[attr-defined]
+    assert tokens == reference(PROMPTS[0], FAULT_LENGTH)
+    assert summary.usage.completion_tokens == FAULT_LENGTH  # type: ignore[attr-defined]
     assert any("lost on target replica" in line for line in two_of_each.orchestrator.lines)
     # The orchestrator keeps serving on the survivor.
     with two_of_each.client() as client:
@@ -104,7 +86,7 @@ def test_last_draft_killed_falls_back_to_the_target_then_returns(one_of_each: St
     draft = one_of_each.drafts[0]
     tokens, _summary = stream_with_fault(one_of_each, lambda: draft.proc.send_signal(signal.SIGKILL),
                                         num_speculative_tokens=4)
-    assert tokens == reference(PROMPTS[0], LENGTH)
+    assert tokens == reference(PROMPTS[0], FAULT_LENGTH)
     assert any("going on with the target alone" in line for line in one_of_each.orchestrator.lines)
     # The draft comes back on the same address: new requests use it again.
     one_of_each.drafts[0] = respawn(draft, "draft-service", tiny_draft)
@@ -126,8 +108,8 @@ def test_target_restart_mid_request_is_rebuilt_transparently(one_of_each: Stack,
         one_of_each.targets[0] = respawn(target, "target-service", tiny_target)
 
     tokens, summary = stream_with_fault(one_of_each, restart, num_speculative_tokens=4)
-    assert tokens == reference(PROMPTS[0], LENGTH)
-    assert summary.usage.completion_tokens == LENGTH  # type: ignore[attr-defined]
+    assert tokens == reference(PROMPTS[0], FAULT_LENGTH)
+    assert summary.usage.completion_tokens == FAULT_LENGTH  # type: ignore[attr-defined]
     assert any("rebuilding it from the history" in line for line in one_of_each.orchestrator.lines)
 
 
@@ -140,8 +122,8 @@ def test_no_target_left_ends_with_unavailable_after_the_committed_tokens(
         assert isinstance(error, grpc.RpcError)
         assert error.code() == grpc.StatusCode.UNAVAILABLE, error.details()
         assert "no replica could take the session over" in error.details()
-        assert 0 < len(tokens) < LENGTH
-        assert tokens == reference(PROMPTS[0], LENGTH)[:len(tokens)]  # a prefix: no gap, no repeat
+        assert 0 < len(tokens) < FAULT_LENGTH
+        assert tokens == reference(PROMPTS[0], FAULT_LENGTH)[:len(tokens)]  # a prefix: no gap, no repeat
     finally:
         stack.stop()
 
@@ -202,8 +184,8 @@ def test_sigterm_drains_in_flight_streams_then_exits_zero(one_of_each: Stack, re
     tokens, summary = stream_with_fault(one_of_each, drain, num_speculative_tokens=4)
     assert seen["new_session"] == grpc.StatusCode.UNAVAILABLE
     # The stream that was in flight finishes, undisturbed; then the process exits 0.
-    assert tokens == reference(PROMPTS[0], LENGTH)
-    assert summary.usage.completion_tokens == LENGTH  # type: ignore[attr-defined]
+    assert tokens == reference(PROMPTS[0], FAULT_LENGTH)
+    assert summary.usage.completion_tokens == FAULT_LENGTH  # type: ignore[attr-defined]
     assert target.proc.wait(timeout=60) == 0
 
 

@@ -20,17 +20,13 @@ import openai
 import pytest
 from replicas import replica_state, wait_for_baseline
 
-from tandem.launch import Process, Stack, start_stack
+from tandem.launch import Stack, start_stack
 
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}assistant:{% endif %}")
 PROMPT = "def fib(n):"
 
 pytestmark = pytest.mark.slow  # stacks of its own (CI runs it)
-
-
-def http_url(process: Process) -> str:
-    return process.wait_http_url()
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +53,7 @@ def stack(tiny_draft: Path, chat_target: Path) -> Iterator[Stack]:
 
 @pytest.fixture(scope="module")
 def client(stack: Stack) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=http_url(stack.orchestrator) + "/v1", api_key="unused",
+    with openai.OpenAI(base_url=stack.orchestrator.wait_http_url() + "/v1", api_key="unused",
                        max_retries=0) as client:
         yield client
 
@@ -167,7 +163,7 @@ def test_an_unknown_model_is_404(client: openai.OpenAI) -> None:
 
 def raw(stack: Stack, method: str, path: str, body: dict[str, object] | None = None,
         headers: dict[str, str] | None = None) -> tuple[int, bytes]:
-    url = urlsplit(http_url(stack.orchestrator))
+    url = urlsplit(stack.orchestrator.wait_http_url())
     connection = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
     try:
         connection.request(method, path, body=json.dumps(body) if body is not None else None,
@@ -197,7 +193,7 @@ def test_the_event_stream_is_framed_as_openai_frames_it(stack: Stack) -> None:
 
 def test_a_client_that_disconnects_mid_stream_frees_both_replicas(stack: Stack) -> None:
     baseline = replica_state(stack)
-    url = urlsplit(http_url(stack.orchestrator))
+    url = urlsplit(stack.orchestrator.wait_http_url())
     with socket.create_connection((url.hostname, url.port), timeout=60) as sock:
         body = json.dumps({"prompt": PROMPT, "max_tokens": 400, "stream": True,
                            "ignore_eos": True, "num_speculative_tokens": 2}).encode()
@@ -235,7 +231,7 @@ def test_a_full_orchestrator_is_429(tiny_target: Path) -> None:
     stack = start_stack(None, str(tiny_target), orchestrator_args=[
         "--http-port", "0", "--max-concurrent-requests", "1", "--max-queued-requests", "0"])
     try:
-        base = http_url(stack.orchestrator) + "/v1"
+        base = stack.orchestrator.wait_http_url() + "/v1"
         with openai.OpenAI(base_url=base, api_key="x", max_retries=0) as client:
             stream = client.completions.create(model=model_name(client), prompt=PROMPT,
                                                max_tokens=200, stream=True,
@@ -259,7 +255,7 @@ def test_without_the_bearer_token_is_401(tiny_target: Path, tmp_path: Path) -> N
     stack = start_stack(None, str(tiny_target), orchestrator_args=[
         "--http-port", "0", "--auth-token-file", str(tmp_path / "token")], token="s3cret")
     try:
-        base = http_url(stack.orchestrator) + "/v1"
+        base = stack.orchestrator.wait_http_url() + "/v1"
         with openai.OpenAI(base_url=base, api_key="wrong", max_retries=0) as client, \
                 pytest.raises(openai.AuthenticationError):
             client.completions.create(model="", prompt=PROMPT, max_tokens=2)

@@ -16,20 +16,20 @@ from __future__ import annotations
 
 import queue
 import signal
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
+from replicas import FAULT_LENGTH, stream_with_fault
 from scrape import sample
 from tiny import PROMPTS, make_tokenizer
 
 from tandem.launch import Stack, start_stack
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
-LENGTH = 300  # long enough that the fault lands mid-request
 SAMPLED: dict[str, Any] = {"temperature": 1.0, "seed": 7, "num_speculative_tokens": 4,
                            "ignore_eos": True}
 METRICS = ["--metrics-port", "0"]
@@ -49,20 +49,6 @@ def counters(stack: Stack) -> dict[str, float]:
     return {"draft rebuilds": sample(stack.orchestrator, "tandem_session_rebuilds_total", service="draft"),
             "target rebuilds": sample(stack.orchestrator, "tandem_session_rebuilds_total", service="target"),
             "fallbacks": sample(stack.orchestrator, "tandem_draft_fallbacks_total")}
-
-
-def stream_with_fault(stack: Stack, fault: Callable[[], None], **kwargs: Any) -> tuple[list[int], Any]:
-    """Stream PROMPTS[0]; run `fault` once the first tokens arrive. Returns (tokens, summary)."""
-    tokens: list[int] = []
-    with stack.client() as client:
-        for message in client.generate_stream(PROMPTS[0], max_new_tokens=LENGTH, **kwargs):
-            if message.HasField("delta"):
-                if not tokens:
-                    fault()
-                tokens.extend(message.delta.token_ids)
-            else:
-                return tokens, message.summary
-    raise AssertionError("the stream ended without a summary")
 
 
 class Stream:
@@ -137,9 +123,9 @@ def test_a_seeded_sampled_request_keeps_its_tokens_when_a_draft_and_a_target_die
     stack = two_of_each
     before = counters(stack)
     with stack.client() as client:
-        undisturbed = client.generate(PROMPTS[0], max_new_tokens=LENGTH, **SAMPLED)
+        undisturbed = client.generate(PROMPTS[0], max_new_tokens=FAULT_LENGTH, **SAMPLED)
     assert counters(stack) == before  # nothing lost, nothing counted
-    assert list(undisturbed.token_ids) != reference(PROMPTS[0], LENGTH)  # sampled, not greedy
+    assert list(undisturbed.token_ids) != reference(PROMPTS[0], FAULT_LENGTH)  # sampled, not greedy
 
     def kill_the_first_of_each() -> None:
         # Both sessions went to the first replica of each pool (least loaded, in order).
@@ -190,7 +176,7 @@ def test_losing_the_last_draft_is_one_fallback(tiny_draft: Path, tiny_target: Pa
         before = counters(stack)
         tokens, summary = stream_with_fault(stack, lambda: stack.drafts[0].proc.send_signal(signal.SIGKILL),
                                             **SAMPLED)
-        assert len(tokens) == summary.usage.completion_tokens == LENGTH
+        assert len(tokens) == summary.usage.completion_tokens == FAULT_LENGTH
         after = counters(stack)
         assert after["fallbacks"] == before["fallbacks"] + 1
         assert after["draft rebuilds"] > before["draft rebuilds"]  # it was tried again first
