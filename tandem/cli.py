@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from tandem import config, models  # neither imports torch: `tandem generate` never loads it
+from tandem import config, models, parallel  # neither imports torch: `tandem generate` never loads it
 from tandem.security import (
     SecurityConfigError,
     ServerSecurityConfig,
@@ -58,17 +58,66 @@ def _serve_model(args: argparse.Namespace, label: str) -> None:
             LookaheadConfig.parse(cfg.lookahead)
         except ValueError as exc:
             sys.exit(f"{label}: {exc}")
+    top = _tensor_parallel(cfg, label)
     configure_logging(cfg.log_level)
-    host = ModelHost(cfg)
+    host = ModelHost(cfg, top)
+    if top is not None and not top.is_leader:
+        try:
+            host.follow()
+        except Exception as exc:  # noqa: BLE001 - a follower's end is its exit status
+            log.error("tensor-parallel rank %d: %s: %s", top.rank, type(exc).__name__, exc)
+            sys.exit(1)
+        return
+    followers = parallel.spawn_followers(top, cfg, label) if top and top.spawns_followers else []
     if label == "draft-service":
         from draft_service.service import DraftService
         service: object = DraftService(host)
     else:
         from target_service.service import TargetService
         service = TargetService(host)
-    asyncio.run(serve([service], label, cfg.host, cfg.port, cfg.grace_s,  # type: ignore[list-item]
-                      metrics_port=cfg.metrics_port, tls=tls, health_port=cfg.health_port,
-                      max_message_bytes=cfg.max_message_bytes))
+    try:
+        asyncio.run(serve([service], label, cfg.host, cfg.port, cfg.grace_s,  # type: ignore[list-item]
+                          metrics_port=cfg.metrics_port, tls=tls, health_port=cfg.health_port,
+                          max_message_bytes=cfg.max_message_bytes))
+    finally:
+        host.close()
+        _reap(followers, cfg.tp_timeout_s)
+    if host.failure is not None:
+        sys.exit(f"{label}: stopped: a tensor-parallel rank failed ({host.failure})")
+
+
+def _tensor_parallel(cfg: Any, label: str) -> Any:
+    """This process's place in a tensor-parallel group (None: one rank); refuses, in one line,
+    a group that cannot form or a model that cannot be sharded."""
+
+    if cfg.tensor_parallel_size < 1:
+        sys.exit(f"{label}: --tensor-parallel-size must be >= 1, got {cfg.tensor_parallel_size}")
+    if cfg.tensor_parallel_size == 1:
+        return None
+    if models.Placement(cfg.device).device_map is not None or cfg.max_memory:
+        sys.exit(f"{label}: --tensor-parallel-size shards the model over ranks; it does not "
+                 "combine with a device map (--device auto/balanced/..., --max-memory)")
+    if cfg.quantize:
+        sys.exit(f"{label}: --quantize does not combine with --tensor-parallel-size")
+    try:
+        from transformers import AutoConfig
+
+        parallel.check_shardable(AutoConfig.from_pretrained(models.resolve(cfg.model)),
+                                 cfg.tensor_parallel_size)
+        return parallel.topology(cfg.tensor_parallel_size, cfg.tp_rank, cfg.tp_master)
+    except parallel.ParallelError as exc:
+        sys.exit(f"{label}: {exc}")
+
+
+def _reap(followers: Sequence[Any], timeout_s: float) -> None:
+    """Wait for locally started ranks to exit (rank 0 told them to); kill what lingers."""
+    deadline = time.monotonic() + timeout_s
+    for child in followers:
+        try:
+            child.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired
+            child.kill()
+            child.wait()
 
 
 def _check_model(label: str, flag: str, ref: str) -> None:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import signal
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -19,7 +21,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from tandem import models
+from tandem import models, parallel
 from tandem.config import option
 from tandem.errors import InvalidRequest, Unavailable
 from tandem.kv import KVSession, SessionTable
@@ -47,7 +49,20 @@ class ModelServiceConfig(ServerSecurityConfig):
     max_memory: str = option("", "accelerate max_memory for device maps, e.g. 0=70GiB,1=70GiB")
     quantize: str = option("", "draft only: int8-dynamic quantizes the Linear layers (CPU, float32); "
                            "changes acceptance, never the output")
-    threads: int = option(0, "torch intra-op threads (0: torch's default)")
+    threads: int = option(0, "torch intra-op threads (0: torch's default; per rank)")
+    tensor_parallel_size: int = option(1, "shard the model over N ranks with torch.distributed "
+                                       "(gloo on CPU, NCCL on CUDA, one GPU per rank); rank 0 "
+                                       "serves. Without --tp-rank (or torchrun's RANK), rank 0 "
+                                       "starts ranks 1..N-1 on this machine")
+    tp_rank: int = option(-1, "this process's rank in a tensor-parallel group that spans "
+                          "machines (-1: RANK from the environment, as torchrun sets it; else 0, "
+                          "with the other ranks started locally)")
+    tp_master: str = option("", "rank 0's rendezvous HOST:PORT for a group that spans machines "
+                            "(default: MASTER_ADDR:MASTER_PORT, as torchrun sets them)")
+    tp_timeout_s: float = option(60.0, "a rank that fails or stalls a collective for this long "
+                                 "stops the replica: NOT_SERVING, then exit non-zero")
+    tp_start_timeout_s: float = option(1800.0, "how long the ranks of a tensor-parallel group "
+                                       "wait for each other to join and to load")
     max_sessions: int = option(256, "most concurrent sessions (streams) on this replica")
     kv_budget_tokens: int = option(0, "most tokens held in KV caches over all sessions; when a step "
                                    "needs room, idle sessions' caches are evicted least recently "
@@ -78,27 +93,49 @@ class Step:
 
 
 class ModelHost:
-    def __init__(self, config: ModelServiceConfig) -> None:
+    def __init__(self, config: ModelServiceConfig, tensor_parallel: parallel.Topology | None = None
+                 ) -> None:
         self.config = config
+        self.tensor_parallel = tensor_parallel
         self.model: models.CausalLM | None = None
+        # Why the replica stopped itself (a tensor-parallel rank failed): it exits non-zero.
+        self.failure: BaseException | None = None
         self.info: common_pb2.ModelInfo | None = None
         self.tokenizer: Any = None
         self.sessions = SessionTable(config.max_sessions, config.kv_budget_tokens)
         self.metrics = ReplicaMetrics.for_model(config.model, config.max_sessions)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
 
-    def load(self) -> None:
-        if self.config.threads > 0:
-            torch.set_num_threads(self.config.threads)
-        dtype = self.config.dtype
+    def _load_model(self) -> tuple[models.CausalLM, str, parallel.Group | None]:
+        """This rank's model (its shard, in a tensor-parallel group), its dtype, and its group."""
+        cfg, top = self.config, self.tensor_parallel
+        if cfg.threads > 0:
+            torch.set_num_threads(cfg.threads)
+        dtype = cfg.dtype
         if dtype == models.AUTO_DTYPE:  # int8-dynamic quantizes float32 weights
-            dtype = "float32" if self.config.quantize else models.auto_dtype(self.config.model,
-                                                                            self.config.device)
-        placement = models.Placement(self.config.device, dtype, self.config.max_memory,
-                                     self.config.quantize)
+            dtype = "float32" if cfg.quantize else models.auto_dtype(cfg.model, cfg.device)
+        device = cfg.device
+        group = None
+        if top is not None:
+            if device.startswith("cuda"):
+                device = f"cuda:{top.local_rank}"
+                torch.cuda.set_device(device)
+            group = parallel.Group(top, device, cfg.tp_timeout_s, cfg.tp_start_timeout_s)
+        placement = models.Placement(device, dtype, cfg.max_memory, cfg.quantize,
+                                     tensor_parallel_size=top.size if top else 1)
+        model = models.load_model(cfg.model, placement)
+        if group is not None:
+            group.loaded(cfg.tp_start_timeout_s)  # health stays NOT_SERVING until every rank has
+        return model, dtype, group
+
+    def load(self) -> None:
         started = time.perf_counter()
-        model = models.load_model(self.config.model, placement)
+        model, dtype, group = self._load_model()
         tokenizer = models.load_tokenizer(self.config.model)
+        device = str(getattr(model, "hf_device_map", None) or self.config.device)
+        if group is not None:
+            model = parallel.Lockstep(model, group, self._stop_on_failure)
+            device += f", tensor-parallel over {group.top.size} ranks"
         self.info = common_pb2.ModelInfo(
             model=self.config.model,
             vocab_size=models.logits_width(model),
@@ -106,7 +143,7 @@ class ModelHost:
             max_context_tokens=models.max_context_tokens(model),
             eos_token_ids=models.eos_token_ids(model, tokenizer),
             dtype=dtype + (f"+{self.config.quantize}" if self.config.quantize else ""),
-            device=str(getattr(model, "hf_device_map", None) or self.config.device),
+            device=device,
         )
         self.tokenizer = tokenizer
         self.model = model
@@ -114,6 +151,34 @@ class ModelHost:
                  self.config.model, self.info.device, self.info.dtype,
                  time.perf_counter() - started, torch.get_num_threads(),
                  models.kv_bytes_per_token(model), self.config.kv_budget_tokens or "none")
+
+    def follow(self) -> None:
+        """A follower rank's life: load its shard, then repeat rank 0's forward calls.
+
+        It ignores SIGTERM and SIGINT: rank 0 drains in-flight requests on a stop, which needs
+        every rank, and then tells the followers to exit (or they find it gone).
+        """
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
+        model, _, group = self._load_model()
+        assert group is not None, "only ranks of a tensor-parallel group follow"
+        log.info("tensor-parallel rank %d of %d: loaded %s, following rank 0",
+                 group.top.rank, group.top.size, self.config.model)
+        try:
+            parallel.follow(model, group, model.get_input_embeddings().weight.device)
+        finally:
+            group.close()
+
+    def _stop_on_failure(self, exc: BaseException) -> None:
+        """A rank failed: refuse the rest (Lockstep does), drain, and exit non-zero."""
+        self.failure = exc
+        os.kill(os.getpid(), signal.SIGTERM)  # serve() drains as on any stop, NOT_SERVING first
+
+    def close(self) -> None:
+        """After serving: a tensor-parallel group's followers exit with rank 0."""
+        if isinstance(self.model, parallel.Lockstep):
+            self.model.stop()
+            self.model.group.close()
 
     def ready_model(self) -> models.CausalLM:
         if self.model is None:

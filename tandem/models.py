@@ -266,6 +266,7 @@ class Placement:
     dtype: str = "float32"
     max_memory: str = ""  # accelerate max_memory, e.g. "0=70GiB,1=70GiB,cpu=100GiB"
     quantize: str = ""  # "" or "int8-dynamic" (drafts only: it changes the model's outputs)
+    tensor_parallel_size: int = 1  # > 1: this process loads its shard (tandem.parallel)
 
     @property
     def device_map(self) -> str | dict[str, Any] | None:
@@ -296,12 +297,21 @@ def load_model(ref: str, placement: Placement) -> CausalLM:
     if placement.device_map is not None:
         kwargs["device_map"] = placement.device_map
         kwargs["max_memory"] = parse_max_memory(placement.max_memory)
+    if placement.tensor_parallel_size > 1:
+        from transformers import AutoConfig
+        from transformers.distributed import DistributedConfig
+
+        from tandem.parallel import check_shardable
+
+        check_shardable(AutoConfig.from_pretrained(path), placement.tensor_parallel_size)
+        kwargs["distributed_config"] = DistributedConfig(tp_plan="auto",
+                                                         tp_size=placement.tensor_parallel_size)
     try:
         model: CausalLM = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except OSError as exc:
         raise ModelError(f"cannot load model {ref!r}: {exc}") from exc
-    if placement.device_map is None:
-        model = model.to(placement.device)
+    if placement.device_map is None and placement.tensor_parallel_size == 1:
+        model = model.to(placement.device)  # a shard is placed by transformers
     if placement.quantize:
         model = quantize(model, placement)
     model.eval()

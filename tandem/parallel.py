@@ -1,0 +1,330 @@
+"""Tensor parallelism: one model sharded over N ranks with torch.distributed, served by rank 0.
+
+transformers shards a model that declares a plan (`base_model_tp_plan`) when it is loaded
+inside a process group (`DistributedConfig(tp_plan="auto")`): attention heads and MLP
+columns split over the ranks, and every layer ends in an all-reduce, so the hidden states
+and the logits are whole on every rank. The collectives inside a forward only meet if
+every rank makes the same forward call at the same time, in the same order.
+
+Rank 0 is the service: gRPC, health, metrics, sessions, sampling and scoring. Its model is
+wrapped in a `Lockstep`, which sends each forward call's inputs to the other ranks before
+making it: the tensors, and which session cache the call extends with the length rank 0's
+cache had before it. Every other rank runs `follow`: it receives each call and makes the
+same one on its shard, against its own mirror of that cache, cut back to the same length
+first. That is the whole protocol: rollbacks need no message of their own, since the next
+call names the length, and a mirror dies with rank 0's cache (a weakref finalizer queues
+its key, sent with the next message). Control messages travel on a gloo group of their own
+(on CUDA the model's collectives run on NCCL), and rank 0 sends a heartbeat when idle.
+
+Failure: every collective is bounded by `tp_timeout_s`. A rank that dies breaks its
+connections at once; one that stalls times out. Rank 0 then refuses every later step
+(UNAVAILABLE), turns NOT_SERVING and exits non-zero (`ModelHost.failure`), so that
+Kubernetes restarts the group; a follower that loses rank 0 exits non-zero too.
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
+
+from tandem.errors import Unavailable
+
+if TYPE_CHECKING:  # torch loads with the model, never for a client command
+    import torch
+
+log = logging.getLogger(__name__)
+
+
+class ParallelError(Exception):
+    """A tensor-parallel group cannot be formed as configured, or a model cannot be sharded."""
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where this process sits in its tensor-parallel group."""
+
+    size: int  # ranks in the group
+    rank: int
+    master_addr: str  # rank 0's rendezvous (a TCPStore)
+    master_port: int
+    local_rank: int  # which of this machine's GPUs (CUDA)
+    spawns_followers: bool  # rank 0 starts ranks 1..size-1 on this machine
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+
+def topology(size: int, rank: int, master: str, env: Mapping[str, str] = os.environ) -> Topology | None:
+    """This process's place, from the flags and else torchrun's variables; None: one rank.
+
+    Without a rank from either, this is rank 0 of a group on this machine: it picks a free
+    local port and starts the other ranks itself (`spawn_followers`).
+    """
+    if "WORLD_SIZE" in env and size > 1 and int(env["WORLD_SIZE"]) != size:
+        raise ParallelError(f"--tensor-parallel-size {size} but the launcher started "
+                            f"WORLD_SIZE={env['WORLD_SIZE']} ranks")
+    if size <= 1:
+        return None
+    if rank < 0 and "RANK" in env:
+        rank = int(env["RANK"])
+    if not master and "MASTER_ADDR" in env:
+        master = f"{env['MASTER_ADDR']}:{env.get('MASTER_PORT', '29500')}"
+    spawns = rank < 0
+    if spawns:
+        rank, master = 0, f"127.0.0.1:{free_port()}"
+    if not 0 <= rank < size:
+        raise ParallelError(f"--tp-rank {rank} is outside [0, {size}) for --tensor-parallel-size {size}")
+    if not master:
+        raise ParallelError(f"rank {rank} of {size} needs rank 0's rendezvous address: "
+                            "--tp-master HOST:PORT (or MASTER_ADDR and MASTER_PORT, as torchrun sets)")
+    host, _, port = master.rpartition(":")
+    if not host or not port.isdigit():
+        raise ParallelError(f"--tp-master must be HOST:PORT, got {master!r}")
+    local_rank = int(env.get("LOCAL_RANK", rank))
+    return Topology(size, rank, host, int(port), local_rank, spawns)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def spawn_followers(top: Topology, config: Any, label: str) -> list[subprocess.Popen[bytes]]:
+    """Start ranks 1..size-1 of a local group: this command again, each with its rank.
+
+    The configuration travels as TANDEM_* variables (every flag has one), so a follower
+    loads exactly what rank 0 loads; its output goes where rank 0's goes.
+    """
+    env = dict(os.environ)
+    for f in fields(config):
+        env[f"TANDEM_{f.name.upper()}"] = str(getattr(config, f.name))
+    env["TANDEM_TP_MASTER"] = f"{top.master_addr}:{top.master_port}"
+    children = []
+    for rank in range(1, top.size):
+        env["TANDEM_TP_RANK"] = str(rank)
+        env["LOCAL_RANK"] = str(rank)
+        children.append(subprocess.Popen([sys.executable, "-m", "tandem.cli", label], env=env))
+    return children
+
+
+@dataclass(frozen=True)
+class Call:
+    """One forward call of rank 0, as the other ranks repeat it."""
+
+    kwargs: dict[str, Any]  # every argument but the cache; tensors on the CPU
+    cache_key: int | None  # rank 0's cache this call extends (None: no cache)
+    cache_length: int  # what that cache held before the call
+
+
+@dataclass(frozen=True)
+class Message:
+    frees: tuple[int, ...]  # cache keys rank 0 has dropped since the last message
+    call: Call | None = None  # None: a heartbeat
+    stop: bool = False  # rank 0 is stopping: exit cleanly
+
+
+class Group:
+    """The process group of one replica: rendezvous, the control channel, and its bounds."""
+
+    def __init__(self, top: Topology, device: str, timeout_s: float, start_timeout_s: float) -> None:
+        import torch.distributed as dist
+
+        self.top = top
+        self.timeout_s = timeout_s
+        self.device = device
+        backend = "nccl" if device.startswith("cuda") else "gloo"
+        # Rendezvous on a store with the long start-up bound: ranks on other machines may
+        # start minutes apart (image pulls, scheduling). Collectives get the short one.
+        started = time.monotonic()
+        self.store = dist.TCPStore(top.master_addr, top.master_port, top.size, top.is_leader,
+                                   timeout=datetime.timedelta(seconds=start_timeout_s))
+        dist.init_process_group(backend, store=self.store, rank=top.rank, world_size=top.size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        self.control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        log.info("tensor-parallel rank %d of %d joined (%s, rendezvous %s:%d) in %.1fs", top.rank,
+                 top.size, backend, top.master_addr, top.master_port, time.monotonic() - started)
+
+    def loaded(self, start_timeout_s: float) -> None:
+        """Announce this rank's shard loaded, and wait until every rank has said so."""
+        self.store.set(f"loaded/{self.top.rank}", "1")
+        self.store.wait([f"loaded/{r}" for r in range(self.top.size)],
+                        datetime.timedelta(seconds=start_timeout_s))
+
+    def send(self, message: Message) -> None:
+        import torch.distributed as dist
+
+        dist.broadcast_object_list([message], src=0, group=self.control)
+
+    def receive(self) -> Message:
+        import torch.distributed as dist
+
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0, group=self.control)
+        message = box[0]
+        assert isinstance(message, Message)
+        return message
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def on_cpu(value: Any) -> Any:
+    import torch
+
+    return value.cpu() if isinstance(value, torch.Tensor) else value
+
+
+class Lockstep:
+    """Rank 0's model: each forward call goes to the other ranks first, then runs here.
+
+    Attribute access passes through to the model (config, embeddings, devices). Once a rank
+    has failed, every call raises Unavailable without touching the group.
+    """
+
+    def __init__(self, model: Any, group: Group, on_failure: Callable[[BaseException], None]) -> None:
+        self.model = model
+        self.group = group
+        self.on_failure = on_failure
+        self.failure: BaseException | None = None
+        self._lock = threading.Lock()  # one message, then its call, at a time
+        self._keys: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+        self._next_key = 0
+        self._frees: collections.deque[int] = collections.deque()  # finalizers append, any thread
+        self._last_sent = time.monotonic()
+        self._stopped = threading.Event()
+        self._heartbeat = threading.Thread(target=self._beat, name="tp-heartbeat", daemon=True)
+        self._heartbeat.start()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+    def _key(self, cache: Any) -> int:
+        key = self._keys.get(cache)
+        if key is None:
+            self._next_key += 1
+            key = self._keys[cache] = self._next_key
+            weakref.finalize(cache, self._frees.append, key)
+        return key
+
+    def _message(self, call: Call | None = None, stop: bool = False) -> Message:
+        frees = []
+        while self._frees:
+            frees.append(self._frees.popleft())
+        return Message(tuple(frees), call, stop)
+
+    def __call__(self, **kwargs: Any) -> Any:
+        cache = kwargs.pop("cache", None)
+        call = Call({k: on_cpu(v) for k, v in kwargs.items()},
+                    None if cache is None else self._key(cache),
+                    0 if cache is None else int(cache.get_seq_length()))
+        with self._lock:
+            self._check()
+            try:
+                self.group.send(self._message(call))
+                self._last_sent = time.monotonic()
+                return self.model(**kwargs, cache=cache) if cache is not None else self.model(**kwargs)
+            except Exception as exc:  # noqa: BLE001 - any failure mid-collective breaks the group
+                self._fail(exc)
+                raise Unavailable(f"a tensor-parallel rank failed ({exc}); this replica is "
+                                  "stopping, retry on another") from exc
+
+    def _check(self) -> None:
+        if self.failure is not None:
+            raise Unavailable(f"a tensor-parallel rank failed ({self.failure}); this replica is "
+                              "stopping, retry on another")
+
+    def _fail(self, exc: BaseException) -> None:
+        if self.failure is None:
+            self.failure = exc
+            log.error("tensor-parallel group failed: %s", exc)
+            self.on_failure(exc)
+
+    def _beat(self) -> None:
+        """Keep idle followers inside their timeout, and notice a dead rank while idle."""
+        interval = self.group.timeout_s / 4
+        while not self._stopped.wait(interval / 2):
+            if time.monotonic() - self._last_sent < interval or not self._lock.acquire(timeout=0):
+                continue
+            try:
+                if self.failure is None:
+                    self.group.send(self._message())
+                    self._last_sent = time.monotonic()
+            except Exception as exc:  # noqa: BLE001 - see __call__
+                self._fail(exc)
+            finally:
+                self._lock.release()
+
+    def stop(self) -> None:
+        """Tell the followers to exit cleanly (they would otherwise take the end for a failure)."""
+        self._stopped.set()
+        with self._lock:
+            if self.failure is None:
+                try:
+                    self.group.send(self._message(stop=True))
+                except Exception as exc:  # noqa: BLE001 - stopping anyway
+                    log.warning("could not tell the tensor-parallel ranks to stop: %s", exc)
+
+
+def follow(model: Any, group: Group, device: torch.device | str) -> None:
+    """A follower's life: repeat rank 0's forward calls on this shard until it stops.
+
+    Raises when rank 0 is gone or stalls past the timeout (the process exits non-zero).
+    """
+    import torch
+    from transformers import DynamicCache
+
+    caches: dict[int, Any] = {}
+    while True:
+        message = group.receive()
+        for key in message.frees:
+            caches.pop(key, None)
+        if message.stop:
+            return
+        call = message.call
+        if call is None:
+            continue
+        kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in call.kwargs.items()}
+        if call.cache_key is not None:
+            cache = caches.get(call.cache_key)
+            held = -1 if cache is None else int(cache.get_seq_length())
+            if cache is None or call.cache_length == 0:
+                cache = caches[call.cache_key] = DynamicCache()
+            elif held > call.cache_length:
+                cache.crop(call.cache_length - held)
+            elif held < call.cache_length:
+                raise ParallelError(f"rank {group.top.rank}: cache {call.cache_key} holds {held} "
+                                    f"tokens, rank 0's held {call.cache_length}")
+            kwargs["cache"] = cache
+        with torch.inference_mode():
+            model(**kwargs)
+
+
+def check_shardable(config: Any, size: int) -> None:
+    """Refuse, naming the model type, a model that transformers cannot shard `size` ways."""
+    text = config.get_text_config()
+    model_type = getattr(text, "model_type", None) or getattr(config, "model_type", "?")
+    if not getattr(text, "base_model_tp_plan", None):
+        raise ParallelError(f"model type {model_type!r} declares no tensor-parallel plan "
+                            "(base_model_tp_plan) in transformers; serve it with "
+                            "--tensor-parallel-size 1, or split it over devices with --device auto")
+    for name in ("num_attention_heads", "num_key_value_heads"):
+        heads = getattr(text, name, None)
+        if heads and heads % size:
+            raise ParallelError(f"model type {model_type!r} has {name}={heads}, which "
+                                f"--tensor-parallel-size {size} does not divide")
