@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +15,9 @@ ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"
 OVERLAYS = sorted(p.name for p in (K8S / "overlays").iterdir() if (p / "kustomization.yaml").exists())
 COMPONENTS = ("draft", "target", "orchestrator")
+WORKLOAD_KINDS = ("Deployment", "StatefulSet")
+# The label a StatefulSet's controller sets on each pod to its ordinal (Kubernetes >= 1.28).
+POD_INDEX = "apps.kubernetes.io/pod-index"
 
 Doc = dict[str, Any]
 
@@ -39,17 +43,31 @@ class Manifests:
         assert len(found) == 1, f"{self.overlay}: expected one {kind} {name}, found {len(found)}"
         return found[0]
 
+    def workloads(self, component: str) -> list[Doc]:
+        """Every Deployment or StatefulSet whose pods run the component: for a tensor-parallel
+        target, rank 0's and its followers'."""
+        return [d for d in self.docs if d["kind"] in WORKLOAD_KINDS
+                and d["spec"]["template"]["metadata"]["labels"].get("app.kubernetes.io/component")
+                == component]
+
     def workload(self, component: str) -> Doc:
-        return self.get("Deployment", f"tandem-{component}")
+        """The one that serves the component, tandem-<component>: a tensor-parallel target's rank 0."""
+        name = f"tandem-{component}"
+        found = [d for d in self.workloads(component) if d["metadata"]["name"] == name]
+        assert len(found) == 1, f"{self.overlay}: expected one workload {name}, found {len(found)}"
+        return found[0]
+
+    def followers(self, component: str) -> list[Doc]:
+        """The component's workloads that serve nothing: a tensor-parallel target's ranks 1..N-1."""
+        serving = self.workload(component)
+        return [d for d in self.workloads(component) if d is not serving]
 
     def pod(self, component: str) -> Doc:
-        spec: Doc = self.workload(component)["spec"]["template"]["spec"]
-        return spec
+        return pod_of(self.workload(component))
 
     def container(self, component: str) -> Doc:
         """The service's own container (named after its component)."""
-        container: Doc = {c["name"]: c for c in self.pod(component)["containers"]}[component]
-        return container
+        return container_of(self.workload(component), component)
 
     def env(self, container: Doc) -> dict[str, str]:
         """The container's environment as the kubelet builds it: envFrom, then env."""
@@ -60,3 +78,36 @@ class Manifests:
         for item in container.get("env", []):
             values[item["name"]] = item.get("value", "<from valueFrom>")
         return values
+
+    def pod_env(self, workload: Doc, container: Doc, ordinal: int) -> dict[str, str]:
+        """The environment of the container in the workload's pod `ordinal`, as the kubelet
+        builds it: envFrom, then env in order, each `$(NAME)` expanded from what came before
+        it (a reference to a later or unknown name stays as written). Values from pod labels
+        are resolved: the template's, and the pod index a StatefulSet sets."""
+        labels = dict(workload["spec"]["template"]["metadata"]["labels"])
+        if workload["kind"] == "StatefulSet":
+            labels[POD_INDEX] = str(ordinal)
+        values: dict[str, str] = {}
+        for source in container.get("envFrom", []):
+            values.update(self.get("ConfigMap", source["configMapRef"]["name"]).get("data", {}))
+        for item in container.get("env", []):
+            if "value" in item:
+                value = re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
+                               lambda m: values.get(m.group(1), m.group(0)), item["value"])
+            else:
+                path = item["valueFrom"].get("fieldRef", {}).get("fieldPath", "")
+                label = re.fullmatch(r"metadata\.labels\['([^']+)'\]", path)
+                value = labels.get(label.group(1), "") if label else "<from valueFrom>"
+            values[item["name"]] = value
+        return values
+
+
+def pod_of(workload: Doc) -> Doc:
+    spec: Doc = workload["spec"]["template"]["spec"]
+    return spec
+
+
+def container_of(workload: Doc, component: str) -> Doc:
+    """The workload's main container (named after its component)."""
+    container: Doc = {c["name"]: c for c in pod_of(workload)["containers"]}[component]
+    return container

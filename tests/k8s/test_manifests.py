@@ -12,7 +12,7 @@ from collections.abc import Callable
 import kubernetes_validate
 import pytest
 import yaml
-from k8s_manifests import COMPONENTS, K8S, OVERLAYS, Doc, Manifests, render
+from k8s_manifests import COMPONENTS, K8S, OVERLAYS, Doc, Manifests, container_of, pod_of, render
 from kubernetes_validate.utils import SchemaNotFoundError, latest_version
 
 from orchestrator.config import OrchestratorConfig
@@ -32,6 +32,13 @@ CONFIGS: dict[str, type] = {"draft": ModelServiceConfig, "target": ModelServiceC
 NON_FLAG_VARIABLES = {"TANDEM_CACHE_DIR"}
 DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
 GPU = "nvidia.com/gpu"
+# Where Linux draws the ephemeral ports that gloo and NCCL listen on (ip_local_port_range).
+EPHEMERAL_PORTS = range(32768, 61000)
+
+
+def _grpc_port(container: Doc) -> int:
+    port: int = {p["name"]: p["containerPort"] for p in container["ports"]}["grpc"]
+    return port
 
 
 def _name(doc: Doc) -> str:
@@ -120,7 +127,7 @@ def test_draft_and_target_services_are_headless_and_match_discovery(manifests: M
     assert service["spec"].get("clusterIP") == "None", f"{name} must be headless for gRPC"
     ports = {p["name"]: p for p in service["spec"]["ports"]}
     port = ports[orchestrator.get("TANDEM_SERVICE_PORT_NAME", "grpc")]
-    assert port["targetPort"] in ("grpc", manifests.container(component)["ports"][0]["containerPort"])
+    assert port["targetPort"] in ("grpc", _grpc_port(manifests.container(component)))
     pod_labels = manifests.workload(component)["spec"]["template"]["metadata"]["labels"]
     assert service["spec"]["selector"].items() <= pod_labels.items()
 
@@ -164,6 +171,10 @@ def test_draft_and_target_land_on_different_pools(manifests: Manifests) -> None:
         assert shared, "draft and target must be placed by the same pool label"
         assert all(not draft_pools[k] & target_pools[k] for k in shared), \
             "draft and target may land on the same pool"
+    # Every rank of a target group goes where rank 0 goes.
+    for follower in manifests.followers("target"):
+        assert _required_pools(pod_of(follower)) == target_pools, follower["metadata"]["name"]
+        assert pod_of(follower).get("tolerations") == target.get("tolerations")
     # A pool's taint is tolerated only by the workload that belongs there.
     for pod, own in ((draft, draft_pools), (target, target_pools)):
         for toleration in pod.get("tolerations", []):
@@ -204,23 +215,50 @@ def test_gpus_addressed(device: str, max_memory: str, gpus: int | None) -> None:
     assert gpus_addressed(device, max_memory) == gpus
 
 
+def _tp_rank(env: dict[str, str]) -> int | None:
+    """The rank a target process takes (tandem.parallel.topology); None: rank 0 of a group it
+    starts itself, in its own pod."""
+    rank = int(env.get("TANDEM_TP_RANK", "-1"))
+    if rank < 0 and "RANK" in env:
+        rank = int(env["RANK"])
+    return rank if rank >= 0 else None
+
+
+def gpus_needed(env: dict[str, str]) -> int | None:
+    """How many GPUs a target pod's settings address; None: a device map over every GPU.
+
+    On CUDA a tensor-parallel rank takes cuda:LOCAL_RANK, and LOCAL_RANK defaults to its rank;
+    a rank 0 that starts the other ranks itself puts them on cuda:0..N-1 of its own pod.
+    """
+    size = int(env.get("TANDEM_TENSOR_PARALLEL_SIZE", "1"))
+    device = env.get("TANDEM_DEVICE", "cpu")
+    if size > 1 and device.startswith("cuda"):
+        rank = _tp_rank(env)
+        return size if rank is None else int(env.get("LOCAL_RANK", rank)) + 1
+    return gpus_addressed(device, env.get("TANDEM_MAX_MEMORY", ""))
+
+
 def test_target_gpu_count_matches_its_device_map(manifests: Manifests) -> None:
-    container = manifests.container("target")
-    env = manifests.env(container)
-    device, max_memory = env.get("TANDEM_DEVICE", "cpu"), env.get("TANDEM_MAX_MEMORY", "")
-    requested = _gpus(container)
-    placed = gpus_addressed(device, max_memory)
-    if placed is None:
-        assert requested >= 1, f"device map {device!r} without GPUs would run on the CPU"
-    else:
-        assert placed == requested, \
-            f"target asks for {requested} GPUs but --device {device} --max-memory " \
-            f"{max_memory!r} uses {placed}"
-    if requested > 1:
-        assert device in DEVICE_MAPS or device.startswith("{"), \
-            f"{requested} GPUs need a device map to spread the model over them"
-    if "cpu" in (k.strip() for k in (i.partition("=")[0] for i in max_memory.split(","))):
-        assert requested == 0, "a GPU target must not offload layers to host memory"
+    for workload in manifests.workloads("target"):
+        name = workload["metadata"]["name"]
+        container = container_of(workload, "target")
+        env = manifests.pod_env(workload, container, 0)
+        device, max_memory = env.get("TANDEM_DEVICE", "cpu"), env.get("TANDEM_MAX_MEMORY", "")
+        requested = _gpus(container)
+        placed = gpus_needed(env)
+        if placed is None:
+            assert requested >= 1, \
+                f"{name}: device map {device!r} without GPUs would run on the CPU"
+        else:
+            assert placed == requested, \
+                f"{name} asks for {requested} GPUs but --device {device} --max-memory " \
+                f"{max_memory!r} (rank {_tp_rank(env)}, LOCAL_RANK {env.get('LOCAL_RANK')}) " \
+                f"uses {placed}"
+        if requested > 1 and int(env.get("TANDEM_TENSOR_PARALLEL_SIZE", "1")) == 1:
+            assert device in DEVICE_MAPS or device.startswith("{"), \
+                f"{name}: {requested} GPUs need a device map to spread the model over them"
+        if "cpu" in (k.strip() for k in (i.partition("=")[0] for i in max_memory.split(","))):
+            assert requested == 0, f"{name}: a GPU target must not offload layers to host memory"
 
 
 def test_each_draft_uses_at_most_one_gpu_matching_its_device(manifests: Manifests) -> None:
@@ -233,8 +271,8 @@ def test_each_draft_uses_at_most_one_gpu_matching_its_device(manifests: Manifest
 
 
 def test_no_service_runs_without_resource_requests(manifests: Manifests) -> None:
-    for component in COMPONENTS:
-        pod = manifests.pod(component)
+    for workload in (w for component in COMPONENTS for w in manifests.workloads(component)):
+        pod = pod_of(workload)
         for container in pod["containers"] + pod.get("initContainers", []):
             resources = container.get("resources", {})
             assert {"cpu", "memory"} <= resources.get("requests", {}).keys(), container["name"]
@@ -269,7 +307,11 @@ def test_grace_period_outlasts_prestop_and_drain(manifests: Manifests, component
 
 @pytest.mark.parametrize("component", COMPONENTS)
 def test_no_container_runs_as_root_or_can_escalate(manifests: Manifests, component: str) -> None:
-    pod = manifests.pod(component)
+    for workload in manifests.workloads(component):
+        _check_pod_security(pod_of(workload), workload["metadata"]["name"])
+
+
+def _check_pod_security(pod: Doc, component: str) -> None:
     pod_context = pod.get("securityContext", {})
     assert pod_context.get("runAsNonRoot") is True
     assert pod_context.get("runAsUser", 1) != 0 and pod_context.get("runAsGroup", 1) != 0
@@ -321,8 +363,8 @@ def test_keys_and_tokens_come_read_only_from_secrets(manifests: Manifests, compo
 
 
 def test_service_links_cannot_shadow_tandem_flags(manifests: Manifests) -> None:
-    for component in COMPONENTS:
-        assert manifests.pod(component).get("enableServiceLinks") is False, component
+    for workload in (w for component in COMPONENTS for w in manifests.workloads(component)):
+        assert pod_of(workload).get("enableServiceLinks") is False, workload["metadata"]["name"]
 
 
 def test_rbac_grants_exactly_list_and_watch_on_endpointslices(manifests: Manifests) -> None:
@@ -336,24 +378,62 @@ def test_rbac_grants_exactly_list_and_watch_on_endpointslices(manifests: Manifes
                                   "name": role["metadata"]["name"]}
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account,
                                     "namespace": binding["metadata"]["namespace"]}]
-    for component in ("draft", "target"):
-        pod = manifests.pod(component)
+    for workload in manifests.workloads("draft") + manifests.workloads("target"):
+        pod = pod_of(workload)
         assert pod["serviceAccountName"] != account
-        assert pod.get("automountServiceAccountToken") is False, f"{component} needs no API token"
+        assert pod.get("automountServiceAccountToken") is False, \
+            f"{workload['metadata']['name']} needs no API token"
+
+
+def _opens(rule: Doc, port: int, name: str = "") -> bool:
+    """Whether an ingress rule admits TCP to the port (given by number and by name)."""
+    if not rule.get("ports"):
+        return True
+    for entry in rule["ports"]:
+        if entry.get("protocol", "TCP") != "TCP":
+            continue
+        first = entry.get("port")
+        if first is None or first == port or (name and first == name):
+            return True
+        if isinstance(first, int) and first <= port <= entry.get("endPort", first):
+            return True
+    return False
+
+
+def _admits(manifests: Manifests, to_labels: dict[str, str], from_labels: dict[str, str],
+            port: int) -> bool:
+    """Whether the NetworkPolicies let a pod of this namespace reach a pod on a TCP port."""
+    policies = [p for p in manifests.of_kind("NetworkPolicy")
+                if _selects(p["spec"]["podSelector"], to_labels)]
+    if not policies:
+        return True
+    rules = [rule for policy in policies for rule in policy["spec"].get("ingress", [])]
+    return any(_opens(rule, port) and any(set(s) == {"podSelector"}
+                                          and _selects(s["podSelector"], from_labels)
+                                          for s in rule.get("from", []))
+               for rule in rules)
+
+
+def _labels(workload: Doc) -> dict[str, str]:
+    labels: dict[str, str] = workload["spec"]["template"]["metadata"]["labels"]
+    return labels
 
 
 def test_only_the_orchestrator_reaches_draft_and_target(manifests: Manifests) -> None:
-    orchestrator_labels = manifests.workload("orchestrator")["spec"]["template"]["metadata"]["labels"]
+    orchestrator_labels = _labels(manifests.workload("orchestrator"))
     for component in ("draft", "target"):
-        labels = manifests.workload(component)["spec"]["template"]["metadata"]["labels"]
-        grpc_port = manifests.container(component)["ports"][0]["containerPort"]
-        policies = [p for p in manifests.of_kind("NetworkPolicy") if _selects(p["spec"]["podSelector"], labels)]
-        assert policies, f"no NetworkPolicy isolates the {component} pods"
-        for policy in policies:
-            assert "Ingress" in policy["spec"]["policyTypes"]
+        for workload in manifests.workloads(component):
+            labels = _labels(workload)
+            policies = [p for p in manifests.of_kind("NetworkPolicy")
+                        if _selects(p["spec"]["podSelector"], labels)]
+            assert policies, f"no NetworkPolicy isolates the {workload['metadata']['name']} pods"
+            assert all("Ingress" in p["spec"]["policyTypes"] for p in policies)
+        grpc_port = _grpc_port(manifests.container(component))
+        for policy in manifests.of_kind("NetworkPolicy"):
+            if not _selects(policy["spec"]["podSelector"], _labels(manifests.workload(component))):
+                continue
             for rule in policy["spec"].get("ingress", []):
-                ports = {p.get("port") for p in rule.get("ports", [])}
-                if not ports or grpc_port in ports or "grpc" in ports:
+                if _opens(rule, grpc_port, "grpc"):
                     sources = rule.get("from", [])
                     assert sources and all(
                         set(s) == {"podSelector"} and _selects(s["podSelector"], orchestrator_labels)
@@ -377,19 +457,20 @@ def _selects(selector: Doc, labels: dict[str, str]) -> bool:
 @pytest.mark.parametrize("component", COMPONENTS)
 def test_config_sets_only_real_flags_with_valid_values(manifests: Manifests, component: str) -> None:
     fields = {f"TANDEM_{f.name.upper()}": f for f in dataclasses.fields(CONFIGS[component])}
-    for name, value in manifests.env(manifests.container(component)).items():
-        if not name.startswith("TANDEM_") or name in NON_FLAG_VARIABLES:
-            continue
-        assert name in fields, f"{component}: {name} is no flag of `tandem {component}` (typo?)"
-        kind = type(fields[name].default)
-        if value != "<from valueFrom>" and kind in (int, float):
-            kind(value)
+    for workload in manifests.workloads(component):
+        container = container_of(workload, component)
+        for name, value in manifests.pod_env(workload, container, 0).items():
+            if not name.startswith("TANDEM_") or name in NON_FLAG_VARIABLES:
+                continue
+            assert name in fields, f"{component}: {name} is no flag of `tandem {component}` (typo?)"
+            kind = type(fields[name].default)
+            if value != "<from valueFrom>" and kind in (int, float):
+                kind(value)
 
 
 def test_images_are_pinned_and_shared(manifests: Manifests) -> None:
-    images = {c["image"] for component in COMPONENTS
-              for c in manifests.pod(component)["containers"]
-              + manifests.pod(component).get("initContainers", [])}
+    pods = [pod_of(w) for component in COMPONENTS for w in manifests.workloads(component)]
+    images = {c["image"] for pod in pods for c in pod["containers"] + pod.get("initContainers", [])}
     assert len(images) == 1, f"one image serves every container, got {images}"
     [image] = images
     tag = image.rpartition(":")[2] if ":" in image.rpartition("/")[2] else ""
@@ -408,11 +489,16 @@ def test_the_hpa_owns_the_orchestrator_replica_count(manifests: Manifests) -> No
 def test_each_workload_has_a_disruption_budget(manifests: Manifests) -> None:
     budgets = manifests.of_kind("PodDisruptionBudget")
     for component in COMPONENTS:
-        labels = manifests.workload(component)["spec"]["template"]["metadata"]["labels"]
-        matching = [b for b in budgets if _selects(b["spec"]["selector"], labels)]
-        assert len(matching) == 1, component
+        matching = {b["metadata"]["name"] for workload in manifests.workloads(component)
+                    for b in budgets if _selects(b["spec"]["selector"], _labels(workload))}
+        # One budget over every rank of a tensor-parallel group: a drain takes one pod, so one
+        # group, at a time.
+        assert len(matching) == 1, f"{component}: {matching}"
+        [budget] = [b for b in budgets if b["metadata"]["name"] in matching]
+        assert all(_selects(budget["spec"]["selector"], _labels(w))
+                   for w in manifests.workloads(component))
         # maxUnavailable: a one-replica workload can still be drained.
-        assert matching[0]["spec"].get("maxUnavailable") == 1
+        assert budget["spec"].get("maxUnavailable") == 1
 
 
 @pytest.mark.parametrize("component", COMPONENTS)
@@ -428,8 +514,8 @@ def test_metrics_port_is_served_announced_and_exposed(manifests: Manifests, comp
 
 
 def test_model_weights_are_fetched_into_the_cache_not_baked(manifests: Manifests) -> None:
-    for component in ("draft", "target"):
-        pod = manifests.pod(component)
+    for workload in manifests.workloads("draft") + manifests.workloads("target"):
+        pod = pod_of(workload)
         [init] = pod["initContainers"]
         assert any("fetch_model.py" in part for part in init["command"])
         cache = {v["name"]: v for v in pod["volumes"]}["cache"]
@@ -459,6 +545,162 @@ def test_the_base_renders_and_validates_on_its_own() -> None:
         kubernetes_validate.validate(doc, KUBERNETES_VERSIONS[-1], strict=True)
 
 
+# --- tensor-parallel target groups ----------------------------------------------------------
+# A tensor-parallel target replica is a group of pods, one per rank: pod g of each rank's
+# StatefulSet belongs to group g. Rank 0 serves; the other ranks (followers) only compute.
+
+def _tp_size(manifests: Manifests) -> int:
+    env = manifests.env(manifests.container("target"))
+    return int(env.get("TANDEM_TENSOR_PARALLEL_SIZE", "1"))
+
+
+def _replicas(workload: Doc) -> int:
+    replicas: int = workload["spec"].get("replicas", 1)
+    return replicas
+
+
+def _ranks(manifests: Manifests) -> dict[int, Doc]:
+    """Each rank's workload, checking that all its pods take that one rank."""
+    ranks: dict[int, Doc] = {}
+    for workload in manifests.workloads("target"):
+        container = container_of(workload, "target")
+        taken = {_tp_rank(manifests.pod_env(workload, container, group))
+                 for group in range(_replicas(workload))}
+        assert len(taken) == 1, f"{workload['metadata']['name']}: its pods take ranks {taken}"
+        [rank] = taken
+        assert rank is not None, f"{workload['metadata']['name']} sets no rank: it would start " \
+                                 "every rank in its own pod"
+        assert rank not in ranks, f"two workloads run rank {rank}"
+        ranks[rank] = workload
+    return ranks
+
+
+def test_the_gpu_overlay_shards_its_target(rendered: dict[str, Manifests]) -> None:
+    """Keeps the checks below from passing vacuously."""
+    assert _tp_size(rendered["gpu"]) > 1
+
+
+def test_a_tensor_parallel_target_is_one_pod_per_rank_each_with_one_gpu(
+        manifests: Manifests) -> None:
+    size = _tp_size(manifests)
+    if size == 1:
+        assert len(manifests.workloads("target")) == 1, "followers without tensor parallelism"
+        return
+    ranks = _ranks(manifests)
+    assert sorted(ranks) == list(range(size)), \
+        f"--tensor-parallel-size {size}, but a group has a pod for ranks {sorted(ranks)}"
+    assert ranks[0] is manifests.workload("target"), "rank 0 serves: it is tandem-target"
+    groups = {_replicas(w) for w in ranks.values()}
+    assert len(groups) == 1, f"every rank needs one pod per group, got replicas {groups}"
+    for workload in ranks.values():
+        name = workload["metadata"]["name"]
+        # The pod index names the group, and a Deployment's pods have none.
+        assert workload["kind"] == "StatefulSet", name
+        # OrderedReady would start group g+1 only once group g is Ready, and wait for a follower's
+        # readiness it cannot signal.
+        assert workload["spec"].get("podManagementPolicy") == "Parallel", name
+        container = container_of(workload, "target")
+        env = manifests.pod_env(workload, container, 0)
+        assert int(env["TANDEM_TENSOR_PARALLEL_SIZE"]) == size, f"{name} is configured apart"
+        if env.get("TANDEM_DEVICE", "cpu").startswith("cuda"):
+            assert _gpus(container) == 1, f"{name}: one GPU per rank (NCCL, one process each)"
+
+
+def test_every_rank_meets_rank_0_of_its_own_group(manifests: Manifests) -> None:
+    if _tp_size(manifests) == 1:
+        return
+    ranks = _ranks(manifests)
+    leader = ranks[0]
+    name = leader["metadata"]["name"]
+    service = manifests.get("Service", leader["spec"]["serviceName"])
+    assert service["spec"].get("clusterIP") == "None", "pod DNS names need a headless Service"
+    # The ranks meet while loading: no rank is Ready before all have met.
+    assert service["spec"].get("publishNotReadyAddresses") is True
+    assert _selects({"matchLabels": service["spec"]["selector"]}, _labels(leader))
+    store_ports = {p["containerPort"] for p in container_of(leader, "target").get("ports", [])}
+    for group in range(_replicas(leader)):
+        for rank, workload in ranks.items():
+            env = manifests.pod_env(workload, container_of(workload, "target"), group)
+            host, _, port = env.get("TANDEM_TP_MASTER", "").rpartition(":")
+            # <pod>.<service>, optionally .<namespace>.svc...: the name resolves from any pod of
+            # the namespace, once the Service publishes it.
+            pod, _, domain = host.partition(".")
+            service_name = service["metadata"]["name"]
+            assert pod == f"{name}-{group}" and domain.split(".")[0] == service_name, \
+                f"rank {rank} of group {group} meets rank 0 at {env.get('TANDEM_TP_MASTER')!r}, " \
+                f"not {name}-{group}.{service_name}"
+            assert port.isdigit() and int(port) in store_ports, \
+                f"rank 0 declares no port {port} for its rendezvous store"
+
+
+def test_the_orchestrator_discovers_only_rank_0(manifests: Manifests) -> None:
+    orchestrator = manifests.env(manifests.container("orchestrator"))
+    service = manifests.get("Service", orchestrator["TANDEM_TARGET_SERVICE_NAME"])
+    selector = {"matchLabels": service["spec"]["selector"]}
+    serving = manifests.workload("target")
+    assert _selects(selector, _labels(serving))
+    for follower in manifests.followers("target"):
+        assert not _selects(selector, _labels(follower)), \
+            f"{follower['metadata']['name']} serves no gRPC, but the orchestrator would dial it"
+
+
+def test_followers_serve_nothing_and_outlive_rank_0s_drain(manifests: Manifests) -> None:
+    grace_s = manifests.pod("target").get("terminationGracePeriodSeconds", 30)
+    for follower in manifests.followers("target"):
+        name = follower["metadata"]["name"]
+        container = container_of(follower, "target")
+        # Nothing listens for a probe: a gRPC one would fail and get the follower killed. It
+        # exits by itself when its rank 0 goes or stalls.
+        probes = {"startupProbe", "readinessProbe", "livenessProbe"} & container.keys()
+        assert not probes, f"{name} serves no health, yet has {probes}"
+        assert not container.get("ports"), f"{name} serves nothing"
+        annotations = follower["spec"]["template"]["metadata"].get("annotations", {})
+        assert annotations.get("prometheus.io/scrape") != "true", f"{name} serves no metrics"
+        for service in manifests.of_kind("Service"):
+            if _selects({"matchLabels": service["spec"].get("selector", {})}, _labels(follower)):
+                assert service["spec"].get("publishNotReadyAddresses") is True, \
+                    f"{service['metadata']['name']} selects {name}, which serves nothing"
+        # A follower ignores SIGTERM until rank 0, draining, tells it to stop; killed sooner, it
+        # fails rank 0's drain.
+        assert pod_of(follower).get("terminationGracePeriodSeconds", 30) >= grace_s, name
+
+
+def test_rank_0_waits_for_its_group_before_the_kubelet_gives_up(manifests: Manifests) -> None:
+    """The group's own bound on the ranks joining should fire first: it logs why."""
+    if _tp_size(manifests) == 1:
+        return
+    env = manifests.env(manifests.container("target"))
+    start_timeout_s = float(env.get("TANDEM_TP_START_TIMEOUT_S",
+                                    ModelServiceConfig().tp_start_timeout_s))
+    startup = manifests.container("target")["startupProbe"]
+    budget_s = startup.get("periodSeconds", 10) * startup.get("failureThreshold", 3)
+    assert budget_s > start_timeout_s, \
+        f"the startup probe ({budget_s}s) kills rank 0 before its group may have joined " \
+        f"({start_timeout_s}s)"
+
+
+def test_the_ranks_of_a_group_reach_each_other(manifests: Manifests) -> None:
+    """Rank 0's rendezvous store, and the ephemeral ports gloo and NCCL listen on."""
+    if _tp_size(manifests) == 1:
+        return
+    ranks = _ranks(manifests)
+    leader_env = manifests.pod_env(ranks[0], container_of(ranks[0], "target"), 0)
+    store_port = int(leader_env["TANDEM_TP_MASTER"].rpartition(":")[2])
+    grpc_port = _grpc_port(manifests.container("target"))
+    for to_rank, to in ranks.items():
+        # Rank 0's gRPC port stays the orchestrator's alone (checked above).
+        ports = set(EPHEMERAL_PORTS)
+        if to_rank == 0:
+            ports = (ports | {store_port}) - {grpc_port}
+        for from_rank, source in ranks.items():
+            if from_rank == to_rank:
+                continue
+            closed = sorted(p for p in ports
+                            if not _admits(manifests, _labels(to), _labels(source), p))
+            assert not closed, f"rank {from_rank} cannot reach rank {to_rank} on {len(closed)} " \
+                               f"ports, {closed[:3]} among them"
+
+
 # --- the checks above are not vacuous ----------------------------------------------------
 
 def _target_pod(m: Manifests) -> Doc:
@@ -467,6 +709,20 @@ def _target_pod(m: Manifests) -> Doc:
 
 def _set_gpu_limit(m: Manifests) -> None:
     m.container("target")["resources"]["limits"][GPU] = 4
+
+
+def _follower(m: Manifests) -> Doc:
+    return m.get("StatefulSet", "tandem-target-rank1")
+
+
+def _follower_env(m: Manifests) -> list[Doc]:
+    env: list[Doc] = container_of(_follower(m), "target")["env"]
+    return env
+
+
+def _ingress(m: Manifests, policy: str) -> Doc:
+    rule: Doc = m.get("NetworkPolicy", policy)["spec"]["ingress"][0]
+    return rule
 
 
 def _config(m: Manifests, component: str) -> Doc:
@@ -490,7 +746,7 @@ CARELESS: dict[str, tuple[Callable[[Manifests], object], Callable[[Manifests], N
             "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0][
             "matchExpressions"][0].update(values=["target"]),
         test_draft_and_target_land_on_different_pools),
-    "four GPUs for a two-GPU device map": (_set_gpu_limit, test_target_gpu_count_matches_its_device_map),
+    "four GPUs for a one-GPU rank": (_set_gpu_limit, test_target_gpu_count_matches_its_device_map),
     "grace period shorter than the drain": (
         lambda m: _target_pod(m).update(terminationGracePeriodSeconds=120),
         lambda m: test_grace_period_outlasts_prestop_and_drain(m, "target")),
@@ -506,6 +762,46 @@ CARELESS: dict[str, tuple[Callable[[Manifests], object], Callable[[Manifests], N
     "gRPC port open to the namespace": (
         lambda m: m.of_kind("NetworkPolicy")[0]["spec"]["ingress"].append(
             {"from": [{"namespaceSelector": {}}], "ports": [{"protocol": "TCP", "port": 50051}]}),
+        test_only_the_orchestrator_reaches_draft_and_target),
+    # Tensor-parallel target groups.
+    "tensor-parallel size 4 over two ranks": (
+        lambda m: _config(m, "target").update(TANDEM_TENSOR_PARALLEL_SIZE="4"),
+        test_a_tensor_parallel_target_is_one_pod_per_rank_each_with_one_gpu),
+    "more followers than groups": (
+        lambda m: _follower(m)["spec"].update(replicas=3),
+        test_a_tensor_parallel_target_is_one_pod_per_rank_each_with_one_gpu),
+    "groups started one at a time": (
+        lambda m: m.workload("target")["spec"].pop("podManagementPolicy"),
+        test_a_tensor_parallel_target_is_one_pod_per_rank_each_with_one_gpu),
+    "rank 1 on cuda:1 of a one-GPU pod": (
+        lambda m: _follower_env(m).remove(
+            next(e for e in _follower_env(m) if e["name"] == "LOCAL_RANK")),
+        test_target_gpu_count_matches_its_device_map),
+    "rendezvous named before its group is": (
+        lambda m: _follower_env(m).sort(key=lambda e: e["name"] != "TANDEM_TP_MASTER"),
+        test_every_rank_meets_rank_0_of_its_own_group),
+    "rendezvous published only when ready": (
+        lambda m: m.get("Service", "tandem-target-ranks")["spec"].pop("publishNotReadyAddresses"),
+        test_every_rank_meets_rank_0_of_its_own_group),
+    "followers discovered by the orchestrator": (
+        lambda m: m.get("Service", "tandem-target")["spec"]["selector"].pop("tandem/tp-rank"),
+        test_the_orchestrator_discovers_only_rank_0),
+    "gRPC probe on a follower": (
+        lambda m: container_of(_follower(m), "target").update(
+            livenessProbe={"grpc": {"port": 50051}}),
+        test_followers_serve_nothing_and_outlive_rank_0s_drain),
+    "follower killed during rank 0's drain": (
+        lambda m: pod_of(_follower(m)).update(terminationGracePeriodSeconds=60),
+        test_followers_serve_nothing_and_outlive_rank_0s_drain),
+    "startup probe shorter than the rendezvous": (
+        lambda m: m.container("target")["startupProbe"].update(failureThreshold=60),
+        test_rank_0_waits_for_its_group_before_the_kubelet_gives_up),
+    "only the store port open to followers": (
+        lambda m: _ingress(m, "tandem-target-followers-from-ranks").update(
+            ports=[{"protocol": "TCP", "port": 29500}]),
+        test_the_ranks_of_a_group_reach_each_other),
+    "rank 0's gRPC port open to its followers": (
+        lambda m: _ingress(m, "tandem-target-rank0-from-ranks")["ports"][0].update(endPort=50051),
         test_only_the_orchestrator_reaches_draft_and_target),
 }
 
