@@ -15,7 +15,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from tandem import config, models, parallel  # neither imports torch: `tandem generate` never loads it
+from tandem import (  # none imports torch: `tandem generate` never loads it
+    config,
+    models,
+    parallel,
+)
 from tandem.security import (
     SecurityConfigError,
     ServerSecurityConfig,
@@ -81,7 +85,7 @@ def _serve_model(args: argparse.Namespace, label: str) -> None:
                           max_message_bytes=cfg.max_message_bytes))
     finally:
         host.close()
-        _reap(followers, cfg.tp_timeout_s)
+        _reap(followers, 0 if host.failure else cfg.tp_timeout_s)
     if host.failure is not None:
         sys.exit(f"{label}: stopped: a tensor-parallel rank failed ({host.failure})")
 
@@ -110,7 +114,8 @@ def _tensor_parallel(cfg: Any, label: str) -> Any:
 
 
 def _reap(followers: Sequence[Any], timeout_s: float) -> None:
-    """Wait for locally started ranks to exit (rank 0 told them to); kill what lingers."""
+    """Wait for locally started ranks to exit (rank 0 told them to); kill what lingers (at
+    once after a failure: a stalled rank never would)."""
     deadline = time.monotonic() + timeout_s
     for child in followers:
         try:

@@ -120,7 +120,8 @@ class ModelHost:
             if device.startswith("cuda"):
                 device = f"cuda:{top.local_rank}"
                 torch.cuda.set_device(device)
-            group = parallel.Group(top, device, cfg.tp_timeout_s, cfg.tp_start_timeout_s)
+            group = parallel.Group(top, device, cfg.tp_timeout_s, cfg.tp_start_timeout_s,
+                                   f"model {cfg.model!r} in {dtype} over {top.size} ranks")
         placement = models.Placement(device, dtype, cfg.max_memory, cfg.quantize,
                                      tensor_parallel_size=top.size if top else 1)
         model = models.load_model(cfg.model, placement)

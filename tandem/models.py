@@ -299,7 +299,7 @@ def load_model(ref: str, placement: Placement) -> CausalLM:
         kwargs["max_memory"] = parse_max_memory(placement.max_memory)
     if placement.tensor_parallel_size > 1:
         from transformers import AutoConfig
-        from transformers.distributed import DistributedConfig
+        from transformers.distributed.configuration_utils import DistributedConfig
 
         from tandem.parallel import check_shardable
 

@@ -139,7 +139,10 @@ class Message:
 class Group:
     """The process group of one replica: rendezvous, the control channel, and its bounds."""
 
-    def __init__(self, top: Topology, device: str, timeout_s: float, start_timeout_s: float) -> None:
+    def __init__(self, top: Topology, device: str, timeout_s: float, start_timeout_s: float,
+                 identity: str) -> None:
+        """Join the group. `identity` names what every rank must load alike (model, dtype,
+        size): a rank that disagrees with rank 0 (say, half a rolling update) is refused."""
         import torch.distributed as dist
 
         self.top = top
@@ -149,8 +152,14 @@ class Group:
         # Rendezvous on a store with the long start-up bound: ranks on other machines may
         # start minutes apart (image pulls, scheduling). Collectives get the short one.
         started = time.monotonic()
-        self.store = dist.TCPStore(top.master_addr, top.master_port, top.size, top.is_leader,
-                                   timeout=datetime.timedelta(seconds=start_timeout_s))
+        self.store: Any = dist.TCPStore(  # type: ignore[attr-defined]
+            top.master_addr, top.master_port, top.size, top.is_leader,
+            timeout=datetime.timedelta(seconds=start_timeout_s))
+        if top.is_leader:
+            self.store.set("identity", identity)
+        elif (leader := self.store.get("identity").decode()) != identity:
+            raise ParallelError(f"rank {top.rank} loads {identity} but rank 0 loads {leader}: every "
+                                "rank of a group needs the same model, dtype and group size")
         dist.init_process_group(backend, store=self.store, rank=top.rank, world_size=top.size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
         self.control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
@@ -182,6 +191,8 @@ class Group:
 
         if dist.is_initialized():
             dist.destroy_process_group()
+        # The store's server threads are C++ threads: stopped here, not during interpreter exit.
+        self.store = None
 
 
 def on_cpu(value: Any) -> Any:
@@ -239,7 +250,7 @@ class Lockstep:
                 self.group.send(self._message(call))
                 self._last_sent = time.monotonic()
                 return self.model(**kwargs, cache=cache) if cache is not None else self.model(**kwargs)
-            except Exception as exc:  # noqa: BLE001 - any failure mid-collective breaks the group
+            except Exception as exc:
                 self._fail(exc)
                 raise Unavailable(f"a tensor-parallel rank failed ({exc}); this replica is "
                                   "stopping, retry on another") from exc
@@ -252,7 +263,7 @@ class Lockstep:
     def _fail(self, exc: BaseException) -> None:
         if self.failure is None:
             self.failure = exc
-            log.error("tensor-parallel group failed: %s", exc)
+            log.error("tensor-parallel group failed (%s): NOT_SERVING, stopping the replica", exc)
             self.on_failure(exc)
 
     def _beat(self) -> None:
@@ -262,7 +273,7 @@ class Lockstep:
             if time.monotonic() - self._last_sent < interval or not self._lock.acquire(timeout=0):
                 continue
             try:
-                if self.failure is None:
+                if self.failure is None and not self._stopped.is_set():
                     self.group.send(self._message())
                     self._last_sent = time.monotonic()
             except Exception as exc:  # noqa: BLE001 - see __call__
@@ -273,6 +284,7 @@ class Lockstep:
     def stop(self) -> None:
         """Tell the followers to exit cleanly (they would otherwise take the end for a failure)."""
         self._stopped.set()
+        self._heartbeat.join()
         with self._lock:
             if self.failure is None:
                 try:

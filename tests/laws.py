@@ -1,14 +1,89 @@
-"""What the statistical tests share: the goodness-of-fit test, and an independent reference
-for the sampling warpers the exact laws are built with."""
+"""What the statistical tests share: the goodness-of-fit test, an independent reference for
+the sampling warpers the exact laws are built with, and the setting the service-level tests
+sample in (a 6-token vocabulary, whose three-token law is computed exactly: see
+tests/orchestrator/test_distribution.py for why it has power)."""
 
 from __future__ import annotations
 
+import functools
+import itertools
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import torch
 from scipy import stats
+from tiny import make_draft_like, make_model
+from transformers import AutoModelForCausalLM
 
+from tandem import sampling
+from tandem.launch import Stack
 from tandem.sampling import SamplingParams
+
+ALPHA = 1e-3  # false-alarm rate of each law test
+SAMPLES = 3000
+PROMPT = [2, 3, 2]
+VOCAB = 6
+MAX_NEW_TOKENS, K = 4, 2  # each request; k of its blocks
+T1 = SamplingParams(temperature=1.0)
+TRUNCATED = SamplingParams(temperature=1.5, top_k=5, top_p=0.9)
+PARAMS_ID = {T1: "t1", TRUNCATED: "t1.5-topk5-topp0.9"}
+
+Rows = dict[tuple[int, ...], torch.Tensor]  # continuation of PROMPT -> the next token's probs [vocab]
+
+
+def small_pair(directory: Path) -> tuple[Path, Path]:
+    """(target, draft) over the 6-token vocabulary (EOS, unk, a-d), saved under `directory`."""
+    target = make_model(directory / "v6-target", seed=11, chars="abcd")
+    return target, make_draft_like(target, directory / "v6-draft", noise=0.5, seed=12)
+
+
+@functools.cache
+def continuation_logits(model_path: Path) -> tuple[list[tuple[int, ...]], torch.Tensor]:
+    """Every continuation of PROMPT by 3 tokens, and the logits after each of its prefixes
+    (lengths 0-3): [VOCAB**3, 4, vocab], from one plain forward pass of the model."""
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    continuations = list(itertools.product(range(VOCAB), repeat=3))
+    ids = torch.tensor([PROMPT + list(c) for c in continuations])
+    with torch.inference_mode():
+        return continuations, model(ids).logits[:, -4:]
+
+
+def rows(model_path: Path, params: SamplingParams) -> Rows:
+    """The model's next-token distribution under `params` after every continuation of up to 3 tokens."""
+    continuations, logits = continuation_logits(model_path)
+    probs = sampling.probabilities(logits.reshape(-1, VOCAB), params).reshape(logits.shape).double()
+    return {c[:n]: probs[i, n] for i, c in enumerate(continuations) for n in range(4)}
+
+
+def exact_law(target: Rows) -> torch.Tensor:
+    """The target-only law of the first three tokens, flat [VOCAB**3]."""
+    law = torch.zeros(VOCAB, VOCAB, VOCAB, dtype=torch.float64)
+    for t1, t2 in itertools.product(range(VOCAB), repeat=2):
+        law[t1, t2] = target[()][t1] * target[(t1,)][t2] * target[(t1, t2)]
+    return law.reshape(-1)
+
+
+def cell(tokens: list[int]) -> int:
+    return (tokens[0] * VOCAB + tokens[1]) * VOCAB + tokens[2]
+
+
+def sample_cells(stack: Stack, params: SamplingParams, proposer: str,
+                 samples: int = SAMPLES) -> tuple[torch.Tensor, int, int]:
+    """Cell counts of the first three tokens of `samples` seeded requests through the stack
+    (8 at a time), and the drafted tokens accepted and drafted over all of them."""
+    with stack.client() as client:
+        def draw(seed: int) -> tuple[int, int, int]:
+            reply = client.generate(PROMPT, max_new_tokens=MAX_NEW_TOKENS, temperature=params.temperature,
+                                    top_k=params.top_k, top_p=params.top_p, seed=seed,
+                                    num_speculative_tokens=K, proposer=proposer, ignore_eos=True)
+            usage = reply.usage
+            return cell(list(reply.token_ids)), usage.accepted_tokens, usage.drafted_tokens
+
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            results = list(pool.map(draw, range(samples)))
+    counts = torch.bincount(torch.tensor([r[0] for r in results]), minlength=VOCAB**3)
+    return counts, sum(r[1] for r in results), sum(r[2] for r in results)
 
 
 def p_value(counts: Sequence[int] | torch.Tensor, law: torch.Tensor) -> float:

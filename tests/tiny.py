@@ -3,7 +3,7 @@
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, GenerationConfig, PretrainedConfig, PreTrainedModel
 
 from bench.tiny import (
     DEFAULT_CHARS,
@@ -25,7 +25,9 @@ __all__ = [
     "make_medusa_heads",
     "make_model",
     "make_tokenizer",
+    "noisy_copy",
     "random_prompts",
+    "save_family",
 ]
 
 
@@ -62,3 +64,32 @@ def last_logits(model, ids: list[int]) -> torch.Tensor:  # type: ignore[no-untyp
     """The model's logits after `ids`, from one plain full pass (the reference for cached passes)."""
     with torch.inference_mode():
         return model(input_ids=torch.tensor([ids])).logits[0, -1]
+
+
+def save_family(path: Path, model_class: type[PreTrainedModel], config_class: type[PretrainedConfig],
+                seed: int, **extra: object) -> Path:
+    """A tiny random model of one family with the tests' character tokenizer, saved at `path`."""
+    tokenizer = make_tokenizer()
+    config = config_class(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        initializer_range=0.3, tie_word_embeddings=False, eos_token_id=0, bos_token_id=None,
+        pad_token_id=None, **extra)
+    torch.manual_seed(seed)
+    model = model_class(config).eval()
+    model.generation_config = GenerationConfig(eos_token_id=0, pad_token_id=0)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def noisy_copy(target: Path, path: Path, seed: int) -> Path:
+    """The target plus weight noise, same family: a draft that agrees with it often, not always."""
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.05 * param.std() * torch.randn(param.shape, generator=generator))
+    model.save_pretrained(path)
+    make_tokenizer().save_pretrained(path)
+    return path

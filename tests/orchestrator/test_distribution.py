@@ -17,19 +17,34 @@ rejecting the pipeline with a broken rule: a test that cannot fail proves nothin
 
 from __future__ import annotations
 
-import functools
-import itertools
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from laws import p_value, warped_by_transformers
+from laws import (
+    ALPHA,
+    MAX_NEW_TOKENS,
+    PARAMS_ID,
+    PROMPT,
+    SAMPLES,
+    T1,
+    TRUNCATED,
+    VOCAB,
+    K,
+    Rows,
+    cell,
+    continuation_logits,
+    exact_law,
+    p_value,
+    rows,
+    sample_cells,
+    small_pair,
+    warped_by_transformers,
+)
 from mutants import mutant
-from tiny import make_draft_like, make_medusa_heads, make_model
-from transformers import AutoModelForCausalLM
+from tiny import make_medusa_heads
 
 from orchestrator.proposers import lookup
 from tandem import sampling
@@ -37,21 +52,12 @@ from tandem.launch import Stack, start_stack
 
 pytestmark = pytest.mark.slow  # tens of thousands of sampled requests: minutes (CI runs it)
 
-ALPHA = 1e-3
-SAMPLES = 3000
-PROMPT = [2, 3, 2]
-VOCAB = 6
-MAX_NEW_TOKENS, K = 4, 2  # each request; k of its blocks
 LOOKUP_NGRAMS = (1, 3)  # prompt lookup matches a single token too, so it proposes often
-
-Rows = dict[tuple[int, ...], torch.Tensor]  # continuation of PROMPT -> the next token's probs [vocab]
 
 
 @pytest.fixture(scope="module")
 def small_models(tiny_dir: Path) -> tuple[Path, Path]:
-    """(target, draft) over the 6-token vocabulary."""
-    target = make_model(tiny_dir / "v6-target", seed=11, chars="abcd")
-    return target, make_draft_like(target, tiny_dir / "v6-draft", noise=0.5, seed=12)
+    return small_pair(tiny_dir)
 
 
 @pytest.fixture(scope="module")
@@ -67,41 +73,6 @@ def small_vocab(tiny_dir: Path, small_models: tuple[Path, Path]) -> Iterator[tup
                                            "--prompt-lookup-max-ngram", str(LOOKUP_NGRAMS[1])])
     yield target, stack
     stack.stop()
-
-
-@functools.cache
-def continuation_logits(model_path: Path) -> tuple[list[tuple[int, ...]], torch.Tensor]:
-    """Every continuation of PROMPT by 3 tokens, and the logits after each of its prefixes
-    (lengths 0-3): [VOCAB**3, 4, vocab], from one plain forward pass of the model."""
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-    continuations = list(itertools.product(range(VOCAB), repeat=3))
-    ids = torch.tensor([PROMPT + list(c) for c in continuations])
-    with torch.inference_mode():
-        return continuations, model(ids).logits[:, -4:]
-
-
-def rows(model_path: Path, params: sampling.SamplingParams) -> Rows:
-    """The model's next-token distribution under `params` after every continuation of up to 3 tokens."""
-    continuations, logits = continuation_logits(model_path)
-    probs = sampling.probabilities(logits.reshape(-1, VOCAB), params).reshape(logits.shape).double()
-    return {c[:n]: probs[i, n] for i, c in enumerate(continuations) for n in range(4)}
-
-
-def exact_law(target: Rows) -> torch.Tensor:
-    """The target-only law of the first three tokens, flat [VOCAB**3]."""
-    law = torch.zeros(VOCAB, VOCAB, VOCAB, dtype=torch.float64)
-    for t1, t2 in itertools.product(range(VOCAB), repeat=2):
-        law[t1, t2] = target[()][t1] * target[(t1,)][t2] * target[(t1, t2)]
-    return law.reshape(-1)
-
-
-def cell(tokens: list[int]) -> int:
-    return (tokens[0] * VOCAB + tokens[1]) * VOCAB + tokens[2]
-
-
-T1 = sampling.SamplingParams(temperature=1.0)
-TRUNCATED = sampling.SamplingParams(temperature=1.5, top_k=5, top_p=0.9)
-PARAMS_ID = {T1: "t1", TRUNCATED: "t1.5-topk5-topp0.9"}
 
 
 def test_truncated_setting_really_truncates(small_models: tuple[Path, Path]) -> None:
@@ -138,22 +109,11 @@ def test_speculative_sampling_matches_target_law(small_vocab: tuple[Path, Stack]
                                                  params: sampling.SamplingParams, proposer: str) -> None:
     target, stack = small_vocab
     law = exact_law(rows(target, params))
-    with stack.client() as client:
-        def draw(seed: int) -> tuple[int, int, int]:
-            reply = client.generate(PROMPT, max_new_tokens=MAX_NEW_TOKENS, temperature=params.temperature,
-                                    top_k=params.top_k, top_p=params.top_p, seed=seed,
-                                    num_speculative_tokens=K, proposer=proposer, ignore_eos=True)
-            usage = reply.usage
-            return cell(list(reply.token_ids)), usage.accepted_tokens, usage.drafted_tokens
-
-        with ThreadPoolExecutor(max_workers=8) as pool:
-            results = list(pool.map(draw, range(SAMPLES)))
-    accepted, drafted = sum(r[1] for r in results), sum(r[2] for r in results)
+    counts, accepted, drafted = sample_cells(stack, params, proposer)
     # Speculation really accepted and rejected tokens.
     assert 0 < accepted < drafted
     if proposer == "draft-model":
         assert drafted >= K * SAMPLES  # every request's second step verified a 2-token block
-    counts = torch.bincount(torch.tensor([r[0] for r in results]), minlength=VOCAB**3)
     assert p_value(counts, law) > ALPHA
 
 

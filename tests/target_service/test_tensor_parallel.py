@@ -1,0 +1,240 @@
+"""A target sharded over 2 ranks (torch.distributed, gloo on this CPU), behind the orchestrator.
+
+Exactness: greedy output equals the target's own generate() on two families, at k = 0, 1
+and 4, through rollbacks (rejected drafts), Lookahead's tree passes and evictions, all of
+which the followers must mirror from rank 0's forward calls alone. Sampling: the chi-square
+law test. Faults: a follower killed or stalled mid-request stops its replica (non-zero exit)
+and the request moves to another replica or ends UNAVAILABLE before its deadline; rank 0
+killed takes its followers with it. Start-up: health stays NOT_SERVING until every rank has
+loaded, with ranks started as a launcher would, on an explicit rendezvous.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from laws import ALPHA, PARAMS_ID, T1, TRUNCATED, exact_law, p_value, rows, sample_cells, small_pair
+from replicas import FAULT_LENGTH, stream_with_fault
+from tiny import PROMPTS, greedy_reference, make_tokenizer, noisy_copy, save_family
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from tandem.launch import Process, Stack, spawn, start_stack, wait_serving
+from tandem.parallel import free_port
+from tandem.v1 import common_pb2, target_pb2_grpc
+
+pytestmark = pytest.mark.slow  # stacks with two-rank targets: minutes (CI runs it)
+
+TP = ["--tensor-parallel-size", "2"]
+LENGTH = 40
+
+
+def prompt_ids(prompt: str) -> list[int]:
+    # Token ids, not text: AutoTokenizer gives a qwen2 model its own tokenizer class, which
+    # pre-tokenizes text its way (tests/orchestrator/test_families_through_services.py).
+    return list(make_tokenizer().encode(prompt))
+
+
+def followers(process: Process) -> list[int]:
+    """The ranks a local rank 0 started: its child processes."""
+    pid = process.proc.pid
+    with open(f"/proc/{pid}/task/{pid}/children") as children:
+        return [int(p) for p in children.read().split()]
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(") ")[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        time.sleep(0.1)
+
+
+def health(address: str) -> int:
+    with grpc.insecure_channel(address) as ch:
+        reply = health_pb2_grpc.HealthStub(ch).Check(
+            health_pb2.HealthCheckRequest(service="tandem.v1.TargetService"), timeout=5)
+    return int(reply.status)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def family(request: pytest.FixtureRequest, tiny_dir: Path) -> Iterator[tuple[Path, Stack]]:
+    """(target, a stack whose target is sharded over two ranks) for one model family."""
+    classes = {"llama": (LlamaForCausalLM, LlamaConfig), "qwen2": (Qwen2ForCausalLM, Qwen2Config)}
+    name = request.param
+    target = save_family(tiny_dir / f"tp-{name}-target", *classes[name], seed=51)
+    draft = noisy_copy(target, tiny_dir / f"tp-{name}-draft", seed=52)
+    stack = start_stack(str(draft), str(target), target_args=TP)
+    yield target, stack
+    stack.stop()
+
+
+def test_the_target_really_runs_on_two_ranks(family: tuple[Path, Stack]) -> None:
+    _, stack = family
+    target = stack.targets[0]
+    assert len(followers(target)) == 1
+    with grpc.insecure_channel(target.address) as ch:
+        info = target_pb2_grpc.TargetServiceStub(ch).GetModelInfo(common_pb2.GetModelInfoRequest()).info
+    assert "tensor-parallel over 2 ranks" in info.device
+
+
+@pytest.mark.parametrize("k", [0, 1, 4])
+def test_greedy_output_equals_the_target_alone(family: tuple[Path, Stack], k: int) -> None:
+    target, stack = family
+    prompts = [prompt_ids(p) for p in PROMPTS]
+    with stack.client() as client, ThreadPoolExecutor(max_workers=4) as pool:
+        replies = list(pool.map(lambda p: client.generate(p, max_new_tokens=LENGTH, num_speculative_tokens=k,
+                                                          ignore_eos=True), prompts))
+    for prompt, reply in zip(prompts, replies, strict=True):
+        assert list(reply.token_ids) == greedy_reference(target, prompt, LENGTH)
+    if k:
+        drafted = sum(r.usage.drafted_tokens for r in replies)
+        accepted = sum(r.usage.accepted_tokens for r in replies)
+        assert 0 < accepted < drafted  # blocks were kept and rolled back
+
+
+def test_evicted_sessions_are_rebuilt_on_every_rank(tiny_draft: Path, tiny_target: Path) -> None:
+    # Four concurrent sessions of ~50 tokens against a 160-token budget:
+    # rank 0 evicts caches, and the followers must drop and rebuild their mirrors with it.
+    stack = start_stack(str(tiny_draft), str(tiny_target), target_args=[*TP, "--kv-budget-tokens", "160"])
+    try:
+        prompts = [prompt_ids(p) for p in PROMPTS]
+        with stack.client() as client, ThreadPoolExecutor(max_workers=4) as pool:
+            replies = list(pool.map(lambda p: client.generate(
+                p, max_new_tokens=LENGTH, num_speculative_tokens=4, ignore_eos=True), prompts))
+        for prompt, reply in zip(prompts, replies, strict=True):
+            assert list(reply.token_ids) == greedy_reference(tiny_target, prompt, LENGTH)
+        assert any("NOT_FOUND" in line and "evicted" in line for line in stack.orchestrator.lines)
+    finally:
+        stack.stop()
+
+
+def test_lookahead_on_two_ranks_equals_the_target_alone(family: tuple[Path, Stack]) -> None:
+    target, stack = family
+    with stack.client() as client:
+        for prompt in map(prompt_ids, PROMPTS[:2]):
+            reply = client.generate(prompt, max_new_tokens=LENGTH, proposer="lookahead", ignore_eos=True)
+            assert list(reply.token_ids) == greedy_reference(target, prompt, LENGTH)
+
+
+@pytest.fixture(scope="module")
+def sharded_small_vocab(tiny_dir: Path) -> Iterator[tuple[Path, Stack]]:
+    target, draft = small_pair(tiny_dir / "tp-v6")
+    stack = start_stack(str(draft), str(target), target_args=TP)
+    yield target, stack
+    stack.stop()
+
+
+@pytest.mark.parametrize("params", [T1, TRUNCATED], ids=PARAMS_ID.get)
+def test_sampled_output_follows_the_target_law(sharded_small_vocab: tuple[Path, Stack], params) -> None:  # type: ignore[no-untyped-def]
+    target, stack = sharded_small_vocab
+    counts, accepted, drafted = sample_cells(stack, params, "draft-model")
+    assert 0 < accepted < drafted
+    assert p_value(counts, exact_law(rows(target, params))) > ALPHA
+
+
+# --- Faults -----------------------------------------------------------------------------------
+
+
+def test_a_follower_killed_mid_request_stops_its_replica_and_the_request_moves(
+        tiny_draft: Path, tiny_target: Path, reference) -> None:  # type: ignore[no-untyped-def]
+    stack = start_stack(str(tiny_draft), str(tiny_target), num_targets=2, target_args=TP)
+    try:
+        first = stack.targets[0]  # the first session goes to the first replica (least loaded, in order)
+        [follower] = followers(first)
+        tokens, summary = stream_with_fault(stack, lambda: os.kill(follower, signal.SIGKILL),
+                                            num_speculative_tokens=4)
+        assert tokens == reference(PROMPTS[0], FAULT_LENGTH)
+        assert summary.usage.completion_tokens == FAULT_LENGTH  # type: ignore[attr-defined]
+        assert any("lost on target replica" in line for line in stack.orchestrator.lines)
+        # The broken replica went NOT_SERVING and exited non-zero (Kubernetes restarts it).
+        assert first.proc.wait(timeout=60) != 0
+        assert any("tensor-parallel group failed" in line for line in first.lines)
+        assert any("draining" in line for line in first.lines)
+        with stack.client() as client:
+            again = client.generate(PROMPTS[1], max_new_tokens=20, ignore_eos=True)
+        assert list(again.token_ids) == reference(PROMPTS[1], 20)
+    finally:
+        stack.stop()
+
+
+def test_a_stalled_follower_ends_the_request_unavailable_before_its_deadline(
+        tiny_draft: Path, tiny_target: Path, reference) -> None:  # type: ignore[no-untyped-def]
+    stack = start_stack(str(tiny_draft), str(tiny_target), target_args=[*TP, "--tp-timeout-s", "4"],
+                        orchestrator_args=["--replica-retry-s", "1"])
+    target = stack.targets[0]
+    [follower] = followers(target)
+    try:
+        started = time.monotonic()
+        tokens, error = stream_with_fault(stack, lambda: os.kill(follower, signal.SIGSTOP),
+                                          num_speculative_tokens=4, timeout=60)
+        assert isinstance(error, grpc.RpcError)
+        assert error.code() == grpc.StatusCode.UNAVAILABLE, error.details()
+        assert time.monotonic() - started < 60  # the collective timed out; nothing hung
+        assert 0 < len(tokens) < FAULT_LENGTH
+        assert tokens == reference(PROMPTS[0], FAULT_LENGTH)[:len(tokens)]
+        assert target.proc.wait(timeout=60) != 0
+    finally:
+        stack.stop()
+        if alive(follower):
+            os.kill(follower, signal.SIGKILL)
+
+
+def test_rank_0_killed_takes_its_followers_with_it(tiny_target: Path) -> None:
+    target = spawn(["target-service", "--model", str(tiny_target), "--threads", "1", *TP,
+                    "--tp-timeout-s", "10"])
+    try:
+        wait_serving(target)
+        [follower] = followers(target)
+        target.proc.send_signal(signal.SIGKILL)
+        wait_for(lambda: not alive(follower), "the follower exited", timeout=30)
+    finally:
+        target.stop()
+
+
+def test_a_clean_stop_stops_every_rank(tiny_target: Path) -> None:
+    target = spawn(["target-service", "--model", str(tiny_target), "--threads", "1", *TP])
+    wait_serving(target)
+    [follower] = followers(target)
+    assert target.stop() == 0
+    wait_for(lambda: not alive(follower), "the follower exited", timeout=30)
+
+
+# --- Start-up, with ranks placed as a launcher (torchrun, a StatefulSet) places them ----------
+
+
+def test_health_stays_not_serving_until_every_rank_has_loaded(tiny_target: Path) -> None:
+    master = f"127.0.0.1:{free_port()}"
+    ranked = [*TP, "--tp-master", master, "--tp-rank"]
+    leader = spawn(["target-service", "--model", str(tiny_target), "--threads", "1", *ranked, "0"])
+    follower = None
+    try:
+        for _ in range(10):  # rank 1 has not started: rank 0 waits for it, NOT_SERVING
+            assert health(leader.address) == health_pb2.HealthCheckResponse.NOT_SERVING
+            time.sleep(0.3)
+        follower = subprocess.Popen([sys.executable, "-m", "tandem.cli", "target-service", "--model",
+                                     str(tiny_target), "--threads", "1", *ranked, "1"])
+        wait_serving(leader, timeout=120)
+        assert followers(leader) == []  # nothing started locally: the launcher placed the ranks
+        assert leader.stop() == 0
+        assert follower.wait(timeout=30) == 0
+    finally:
+        leader.stop()
+        if follower is not None and follower.poll() is None:
+            follower.kill()
