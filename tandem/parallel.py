@@ -151,13 +151,17 @@ class Group:
         backend = "nccl" if device.startswith("cuda") else "gloo"
         # Rendezvous on a store with the long start-up bound: ranks on other machines may
         # start minutes apart (image pulls, scheduling). Collectives get the short one.
+        # Under torchrun its agent already serves the store at MASTER_PORT: every rank is a client.
+        serves_store = top.is_leader and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
         started = time.monotonic()
         self.store: Any = dist.TCPStore(  # type: ignore[attr-defined]
-            top.master_addr, top.master_port, top.size, top.is_leader,
+            top.master_addr, top.master_port, top.size, serves_store,
             timeout=datetime.timedelta(seconds=start_timeout_s))
+        # torchrun's store outlives a restart of the group: keys are per attempt.
+        self.prefix = f"tandem/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
         if top.is_leader:
-            self.store.set("identity", identity)
-        elif (leader := self.store.get("identity").decode()) != identity:
+            self.store.set(self.prefix + "identity", identity)
+        elif (leader := self.store.get(self.prefix + "identity").decode()) != identity:
             raise ParallelError(f"rank {top.rank} loads {identity} but rank 0 loads {leader}: every "
                                 "rank of a group needs the same model, dtype and group size")
         dist.init_process_group(backend, store=self.store, rank=top.rank, world_size=top.size,
@@ -168,8 +172,8 @@ class Group:
 
     def loaded(self, start_timeout_s: float) -> None:
         """Announce this rank's shard loaded, and wait until every rank has said so."""
-        self.store.set(f"loaded/{self.top.rank}", "1")
-        self.store.wait([f"loaded/{r}" for r in range(self.top.size)],
+        self.store.set(f"{self.prefix}loaded/{self.top.rank}", "1")
+        self.store.wait([f"{self.prefix}loaded/{r}" for r in range(self.top.size)],
                         datetime.timedelta(seconds=start_timeout_s))
 
     def send(self, message: Message) -> None:

@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -238,3 +239,38 @@ def test_health_stays_not_serving_until_every_rank_has_loaded(tiny_target: Path)
         leader.stop()
         if follower is not None and follower.poll() is None:
             follower.kill()
+
+
+def test_ranks_started_by_torchrun_form_one_replica(tiny_target: Path, reference) -> None:  # type: ignore[no-untyped-def]
+    # torchrun's agent serves the rendezvous store itself (TORCHELASTIC_USE_AGENT_STORE): every
+    # rank joins it as a client. A SIGTERM to the agent reaches both ranks: rank 0 drains, then
+    # tells its follower to exit. (The agent itself exits 1 on a signal, by its own design.)
+    agent = subprocess.Popen(
+        [str(Path(sys.executable).with_name("torchrun")), "--nproc-per-node", "2", "--master-port",
+         str(free_port()), "-m", "tandem.cli", "target-service", "--model", str(tiny_target),
+         "--threads", "1", *TP, "--port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    try:
+        assert agent.stdout is not None
+        address = next(line.rsplit(" ", 1)[1].strip() for line in agent.stdout if " listening on " in line)
+        threading.Thread(target=lambda: lines.extend(agent.stdout or []), daemon=True).start()
+        wait_serving(Process(agent, address), timeout=120)  # type: ignore[arg-type]
+        stack = start_stack(None, str(tiny_target), num_targets=0, orchestrator_args=["--target", address])
+        try:
+            with stack.client() as client:
+                reply = client.generate(PROMPTS[0], max_new_tokens=20, num_speculative_tokens=0,
+                                        ignore_eos=True)
+            assert list(reply.token_ids) == reference(PROMPTS[0], 20)
+        finally:
+            stack.stop()
+        with open(f"/proc/{agent.pid}/task/{agent.pid}/children") as children:
+            ranks = [int(p) for p in children.read().split()]
+        assert len(ranks) == 2
+        agent.send_signal(signal.SIGTERM)
+        agent.wait(timeout=60)
+        wait_for(lambda: not any(map(alive, ranks)), "both ranks exited", timeout=30)
+        assert any("target-service: stopped" in line for line in lines)  # rank 0 drained and stopped
+    finally:
+        if agent.poll() is None:
+            agent.kill()
