@@ -7,9 +7,9 @@ from dataclasses import dataclass
 import torch
 
 from tandem import sampling
+from tandem.batching import Forward, Pass
 from tandem.kv import KVSession
 from tandem.model_service import Step
-from tandem.models import CausalLM
 
 
 @dataclass(frozen=True)
@@ -19,8 +19,8 @@ class ProposedBlock:
     cache_length: int
 
 
-def propose_block(
-    model: CausalLM,
+async def propose_block(
+    forward: Forward,
     session: KVSession,
     step: Step,
     num_speculative_tokens: int,
@@ -33,11 +33,11 @@ def propose_block(
     Each token is drawn from the draft's distribution under the request's parameters,
     truncated to its `max_support_size` most likely tokens and renormalised; that
     truncated distribution is what is reported, so q is exact (FIELD_NOTES: sparse q).
-    The last drafted token is not fed back: the cache ends at n + k - 1 tokens.
+    The last drafted token is not fed back: the cache ends at n + k - 1 tokens. Each token's
+    pass goes through `forward`, so the j-th tokens of all drafting sessions share a pass.
     """
-    session.rollback(step.cache_position)
     generator = torch.Generator().manual_seed(seed)
-    logits = session.forward(model, step.new_token_ids, logits_to_keep=1)  # [1, vocab]
+    logits = (await forward(Pass(session, step.cache_position, tuple(step.new_token_ids)))).logits  # [1, vocab]
     token_ids: list[int] = []
     distributions: list[sampling.SparseDistribution] = []
     for i in range(num_speculative_tokens):
@@ -46,5 +46,5 @@ def propose_block(
         token_ids.append(token)
         distributions.append(sampling.SparseDistribution(tuple(support.tolist()), tuple(probs.tolist())))
         if i + 1 < num_speculative_tokens:
-            logits = session.forward(model, [token], logits_to_keep=1)
+            logits = (await forward(Pass(session, session.length, (token,)))).logits
     return ProposedBlock(tuple(token_ids), tuple(distributions), session.length)

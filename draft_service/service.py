@@ -28,7 +28,7 @@ class DraftService(ModelServicer, draft_pb2_grpc.DraftServiceServicer):
         self, request_iterator: AsyncIterator[draft_pb2.ProposeBlocksRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[draft_pb2.ProposeBlocksResponse]:
-        model = self.host.ready_model()
+        self.host.ready_model()
         async for session, request in self.host.session_stream(request_iterator):
             step = step_from(request, session)
             k = request.num_speculative_tokens
@@ -39,7 +39,7 @@ class DraftService(ModelServicer, draft_pb2_grpc.DraftServiceServicer):
                     f"max_support_size must be in [1, {MAX_SUPPORT_SIZE}], got {request.max_support_size}")
             params = sampling_from(request.sampling)
             block, ms = await self.host.run_step(
-                session, step.cache_position + len(step.new_token_ids) + k, propose_block, model, session,
+                session, step.cache_position + len(step.new_token_ids) + k, propose_block, session,
                 step, k, params, request.max_support_size, request.seed)
             yield draft_pb2.ProposeBlocksResponse(
                 token_ids=block.token_ids,

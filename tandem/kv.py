@@ -90,6 +90,8 @@ class KVSession:
     def rollback(self, cache_position: int) -> None:
         """Drop cached tokens past `cache_position`."""
         self.check_position(cache_position)
+        if cache_position == self.length:
+            return  # nothing to drop (a proposer's state included)
         if cache_position == 0:
             self.cache = DynamicCache()
             self.proposer_state.clear()

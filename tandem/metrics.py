@@ -107,6 +107,10 @@ STEP_SECONDS = Histogram("tandem_replica_step_duration_seconds",
                          ["model"], buckets=SECONDS_BUCKETS)
 KV_CACHED_TOKENS = Gauge("tandem_kv_cached_tokens",
                          "Tokens held in this replica's KV caches, over all sessions.", ["model"])
+BATCH_SESSIONS = Histogram("tandem_batch_sessions", "Sessions whose steps shared one forward pass.",
+                           ["model"], buckets=(1, 2, 4, 8, 16, 32, 64, 128))
+BATCH_TOKENS = Histogram("tandem_batch_tokens", "Tokens in one forward pass, over its sessions.",
+                         ["model"], buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096))
 
 
 def observe_step(*, drafted: int, accepted: int, draft_s: float, verify_s: float,
@@ -183,13 +187,21 @@ class ReplicaMetrics:
     steps_in_flight: Gauge
     step_seconds: Histogram
     kv_cached_tokens: Gauge
+    batch_sessions: Histogram
+    batch_tokens: Histogram
 
     @classmethod
     def for_model(cls, model: str, max_sessions: int) -> ReplicaMetrics:
         SESSIONS_LIMIT.labels(model).set(max_sessions)
         return cls(SESSIONS_ACTIVE.labels(model), SESSIONS.labels(model),
                    STEPS_IN_FLIGHT.labels(model), STEP_SECONDS.labels(model),
-                   KV_CACHED_TOKENS.labels(model))
+                   KV_CACHED_TOKENS.labels(model), BATCH_SESSIONS.labels(model),
+                   BATCH_TOKENS.labels(model))
+
+    def forward_pass(self, sessions: int, tokens: int) -> None:
+        """One forward pass of the step scheduler: how many sessions and tokens it served."""
+        self.batch_sessions.observe(sessions)
+        self.batch_tokens.observe(tokens)
 
     def session_opened(self) -> None:
         self.sessions.inc()

@@ -9,19 +9,17 @@ ends, however it ends.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import signal
 import time
-from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
 
-from tandem import models, parallel
+from tandem import batching, models, parallel
 from tandem.config import option
 from tandem.errors import InvalidRequest, Unavailable
 from tandem.kv import KVSession, SessionTable
@@ -50,6 +48,10 @@ class ModelServiceConfig(ServerSecurityConfig):
     quantize: str = option("", "draft only: int8-dynamic quantizes the Linear layers (CPU, float32); "
                            "changes acceptance, never the output")
     threads: int = option(0, "torch intra-op threads (0: torch's default; per rank)")
+    max_batch_sessions: int = option(32, "most sessions whose steps share one forward pass (1: "
+                                     "one session per pass, the unbatched baseline)")
+    max_batch_tokens: int = option(512, "most tokens in one forward pass over its sessions (a "
+                                   "longer single step, such as a prefill, still runs alone)")
     tensor_parallel_size: int = option(1, "shard the model over N ranks with torch.distributed "
                                        "(gloo on CPU, NCCL on CUDA, one GPU per rank); rank 0 "
                                        "serves. Without --tp-rank (or torchrun's RANK), rank 0 "
@@ -104,7 +106,9 @@ class ModelHost:
         self.tokenizer: Any = None
         self.sessions = SessionTable(config.max_sessions, config.kv_budget_tokens)
         self.metrics = ReplicaMetrics.for_model(config.model, config.max_sessions)
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
+        self.scheduler = batching.StepScheduler(
+            config.max_batch_sessions, config.max_batch_tokens,
+            lambda stats: self.metrics.forward_pass(stats.sessions, stats.tokens))
 
     def _load_model(self) -> tuple[models.CausalLM, str, parallel.Group | None]:
         """This rank's model (its shard, in a tensor-parallel group), its dtype, and its group."""
@@ -147,6 +151,7 @@ class ModelHost:
             device=device,
         )
         self.tokenizer = tokenizer
+        self.scheduler.start(model)
         self.model = model
         log.info("loaded %s on %s (%s) in %.1fs, %d threads; KV cache: %d bytes per token, budget %s",
                  self.config.model, self.info.device, self.info.dtype,
@@ -186,25 +191,25 @@ class ModelHost:
             raise Unavailable("the model is still loading; wait for health SERVING")
         return self.model
 
-    async def run_step(self, session: KVSession, tokens: int, fn: Callable[..., R], *args: Any
-                       ) -> tuple[R, float]:
-        """Run fn(*args) for `session` on the forward worker; its result and wall time in ms.
+    async def run_step(self, session: KVSession, tokens: int,
+                       fn: Callable[..., Awaitable[R]], *args: Any) -> tuple[R, float]:
+        """Run `await fn(forward, *args)` for `session`; its result and wall time in ms.
 
-        `tokens` is what the session may hold during the step (its cache position, new
-        tokens, and drafted or scored tokens): the KV budget is reserved for it first, so
-        call this only once the request is validated (a bad request never costs another
-        session its cache).
+        fn submits its forward passes through `forward` (the step scheduler), which runs
+        them with other sessions' passes. `tokens` is what the session may hold during the
+        step (its cache position, new tokens, and drafted or scored tokens): the KV budget
+        is reserved for it first, so call this only once the request is validated (a bad
+        request never costs another session its cache). The session cannot be evicted
+        until the step ends.
         """
         self.sessions.reserve(session, tokens)
-
-        def step() -> tuple[R, float]:
-            with self.sessions.running(session):
-                return timed(fn, *args)
-
+        started = time.perf_counter()
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._worker, step)
+            with self.sessions.running(session):
+                result = await fn(self.scheduler, *args)
         finally:
             self.sessions.settle(session)
+        return result, (time.perf_counter() - started) * 1000.0
 
     async def session_stream(self, requests: AsyncIterator[Any]) -> AsyncIterator[tuple[KVSession, Any]]:
         """Yield (session, request) for each message of a stream; the session dies with the stream."""
@@ -244,13 +249,6 @@ def sampling_from(proto: common_pb2.SamplingParams) -> SamplingParams:
     except ValueError as exc:
         raise InvalidRequest(str(exc)) from exc
     return params
-
-
-def timed(fn: Callable[..., R], *args: Any) -> tuple[R, float]:
-    """fn(*args) and its wall time in milliseconds."""
-    started = time.perf_counter()
-    result = fn(*args)
-    return result, (time.perf_counter() - started) * 1000.0
 
 
 class ModelServicer:

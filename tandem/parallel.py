@@ -8,8 +8,8 @@ every rank makes the same forward call at the same time, in the same order.
 
 Rank 0 is the service: gRPC, health, metrics, sessions, sampling and scoring. Its model is
 wrapped in a `Lockstep`, which sends each forward call's inputs to the other ranks before
-making it: the tensors, and which session cache the call extends with the length rank 0's
-cache had before it. Every other rank runs `follow`: it receives each call and makes the
+making it: the tensors, and which session caches the call extends (one, or a batched pass's
+several) with the length each had before it. Every other rank runs `follow`: it receives each call and makes the
 same one on its shard, against its own mirror of that cache, cut back to the same length
 first. That is the whole protocol: rollbacks need no message of their own, since the next
 call names the length, and a mirror dies with rank 0's cache (a weakref finalizer queues
@@ -121,12 +121,21 @@ def spawn_followers(top: Topology, config: Any, label: str) -> list[subprocess.P
 
 
 @dataclass(frozen=True)
+class CacheUse:
+    """One session cache a forward call extends."""
+
+    key: int  # rank 0's cache
+    length: int  # what it held before the call
+    new_tokens: int  # of the call's tokens, how many are this cache's (a batched call)
+
+
+@dataclass(frozen=True)
 class Call:
     """One forward call of rank 0, as the other ranks repeat it."""
 
     kwargs: dict[str, Any]  # every argument but the cache; tensors on the CPU
-    cache_key: int | None  # rank 0's cache this call extends (None: no cache)
-    cache_length: int  # what that cache held before the call
+    caches: tuple[CacheUse, ...]  # none, one session's, or a batched pass's in order
+    batched: bool  # the caches were side by side in a BatchCache
 
 
 @dataclass(frozen=True)
@@ -244,10 +253,13 @@ class Lockstep:
         return Message(tuple(frees), call, stop)
 
     def __call__(self, **kwargs: Any) -> Any:
+        from tandem.batching import BatchCache
+
         cache = kwargs.pop("cache", None)
+        parts = cache.parts if isinstance(cache, BatchCache) else [] if cache is None else [(cache, 0)]
         call = Call({k: on_cpu(v) for k, v in kwargs.items()},
-                    None if cache is None else self._key(cache),
-                    0 if cache is None else int(cache.get_seq_length()))
+                    tuple(CacheUse(self._key(c), int(c.get_seq_length()), n) for c, n in parts),
+                    isinstance(cache, BatchCache))
         with self._lock:
             self._check()
             try:
@@ -305,6 +317,8 @@ def follow(model: Any, group: Group, device: torch.device | str) -> None:
     import torch
     from transformers import DynamicCache
 
+    from tandem.batching import BatchCache
+
     caches: dict[int, Any] = {}
     while True:
         message = group.receive()
@@ -316,17 +330,22 @@ def follow(model: Any, group: Group, device: torch.device | str) -> None:
         if call is None:
             continue
         kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in call.kwargs.items()}
-        if call.cache_key is not None:
-            cache = caches.get(call.cache_key)
+        mirrors = []
+        for use in call.caches:
+            cache = caches.get(use.key)
             held = -1 if cache is None else int(cache.get_seq_length())
-            if cache is None or call.cache_length == 0:
-                cache = caches[call.cache_key] = DynamicCache()
-            elif held > call.cache_length:
-                cache.crop(call.cache_length - held)
-            elif held < call.cache_length:
-                raise ParallelError(f"rank {group.top.rank}: cache {call.cache_key} holds {held} "
-                                    f"tokens, rank 0's held {call.cache_length}")
-            kwargs["cache"] = cache
+            if cache is None or use.length == 0:
+                cache = caches[use.key] = DynamicCache()
+            elif held > use.length:
+                cache.crop(use.length - held)
+            elif held < use.length:
+                raise ParallelError(f"rank {group.top.rank}: cache {use.key} holds {held} tokens, "
+                                    f"rank 0's held {use.length}")
+            mirrors.append((cache, use.new_tokens))
+        if call.batched:
+            kwargs["cache"] = BatchCache(mirrors)
+        elif mirrors:
+            kwargs["cache"] = mirrors[0][0]
         with torch.inference_mode():
             model(**kwargs)
 

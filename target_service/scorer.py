@@ -6,10 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem import models, sampling
+from tandem import sampling
+from tandem.batching import Forward, Pass
 from tandem.kv import KVSession
 from tandem.model_service import Step
-from tandem.models import CausalLM
 from target_service.proposers import NO_CANDIDATES, TargetProposer
 
 
@@ -26,8 +26,8 @@ class VerifiedStep:
     cache_length: int
 
 
-def score_block(
-    model: CausalLM,
+async def score_block(
+    forward: Forward,
     session: KVSession,
     step: Step,
     draft_token_ids: list[int],  # [k]
@@ -40,36 +40,39 @@ def score_block(
     The last k+1 positions give p for each drafted token and for the bonus position,
     under the request's own sampling parameters.
     """
-    session.rollback(step.cache_position)
     k = len(draft_token_ids)
-    logits = session.forward(model, step.new_token_ids + draft_token_ids, logits_to_keep=k + 1)
+    logits = (await forward(Pass(session, step.cache_position, (*step.new_token_ids, *draft_token_ids),
+                                 logits_to_keep=k + 1))).logits
     probs = sampling.probabilities(logits, params)  # [k+1, vocab]
     generator = torch.Generator().manual_seed(seed)
     scored = sampling.score_block(probs, draft_token_ids, draft_distributions, generator)
     return ScoredStep(scored=scored, cache_length=session.length)
 
 
-def propose_and_verify(
-    model: CausalLM,
+async def propose_and_verify(
+    forward: Forward,
     session: KVSession,
     step: Step,
     proposer: TargetProposer,
     params: sampling.SamplingParams,
     seed: int,
+    exact_positions: float,
 ) -> VerifiedStep:
     """Append the step's tokens, score the proposer's segment in the same pass, verify its tree.
 
     Unlike a draft block, the tree's tokens are not kept in the cache (they sit at tree
     positions); the committed ones come back as the next step's new tokens.
+    `exact_positions`: `models.exact_positions` of the target.
     """
-    session.rollback(step.cache_position)
+    session.rollback(step.cache_position)  # before the proposer reads its state (a reset clears it)
     # The segment's hand-built mask and positions match the model's own pass only inside the
     # positions it serves exactly and inside a sliding window; past them, a plain step.
     reach = step.cache_position + len(step.new_token_ids) + proposer.max_segment_tokens
-    proposing = reach <= models.exact_positions(model)
+    proposing = reach <= exact_positions
     candidates = proposer.get_candidates(session, step.new_token_ids) if proposing else NO_CANDIDATES
-    logits, hidden = session.forward_segment(model, step.new_token_ids, candidates.segment,
-                                             proposer.with_hidden)
+    out = await forward(Pass(session, step.cache_position, tuple(step.new_token_ids),
+                             segment=candidates.segment, with_hidden=proposer.with_hidden))
+    logits, hidden = out.logits, out.hidden
     rows = [0, *(1 + i for i in candidates.tree_nodes)]
     probs = sampling.probabilities(logits[rows], params)  # [1 + m, vocab]
     generator = torch.Generator().manual_seed(seed)

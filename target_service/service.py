@@ -87,7 +87,7 @@ class TargetService(ModelServicer, target_pb2_grpc.TargetServiceServicer):
         self, request_iterator: AsyncIterator[target_pb2.ScoreBlocksRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[target_pb2.ScoreBlocksResponse]:
-        model = self.host.ready_model()
+        exact_positions = models.exact_positions(self.host.ready_model())
         async for session, request in self.host.session_stream(request_iterator):
             step = step_from(request, session)
             params = sampling_from(request.sampling)
@@ -97,8 +97,8 @@ class TargetService(ModelServicer, target_pb2_grpc.TargetServiceServicer):
                 proposer = self._proposer(request.target_proposal)
                 # The proposer's segment is cached during the pass, and cropped after it.
                 verified, ms = await self.host.run_step(
-                    session, history + proposer.max_segment_tokens, propose_and_verify, model, session,
-                    step, proposer, params, request.seed)
+                    session, history + proposer.max_segment_tokens, propose_and_verify, session,
+                    step, proposer, params, request.seed, exact_positions)
                 yield target_pb2.ScoreBlocksResponse(
                     cache_length=verified.cache_length, compute_ms=ms,
                     verified_tree=target_pb2.VerifiedTree(
@@ -106,7 +106,7 @@ class TargetService(ModelServicer, target_pb2_grpc.TargetServiceServicer):
                         proposed_token_count=verified.proposed_count))
             elif kind == "draft_proposal":
                 ids, dists = draft_from(request.draft_proposal, session)
-                scored, ms = await self.host.run_step(session, history + len(ids), score_block, model,
+                scored, ms = await self.host.run_step(session, history + len(ids), score_block,
                                                       session, step, ids, dists, params, request.seed)
                 yield target_pb2.ScoreBlocksResponse(
                     cache_length=scored.cache_length, compute_ms=ms,

@@ -28,6 +28,7 @@ __all__ = [
     "noisy_copy",
     "random_prompts",
     "save_family",
+    "verify_directly",
 ]
 
 
@@ -93,3 +94,14 @@ def noisy_copy(target: Path, path: Path, seed: int) -> Path:
     model.save_pretrained(path)
     make_tokenizer().save_pretrained(path)
     return path
+
+
+def verify_directly(model, session, step, proposer, params, seed):  # type: ignore[no-untyped-def]
+    """`propose_and_verify` on a model in process: its pass runs at once (no scheduler)."""
+    import asyncio
+
+    from tandem import batching, models
+    from target_service.scorer import propose_and_verify
+
+    return asyncio.run(propose_and_verify(batching.direct(model), session, step, proposer, params, seed,
+                                          models.exact_positions(model)))

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny import last_logits
+from tiny import last_logits, verify_directly
 from transformers import AutoModelForCausalLM
 
 from tandem import sampling
@@ -23,7 +23,6 @@ from target_service.lookahead import (
     window_segment,
 )
 from target_service.proposers import build_proposers
-from target_service.scorer import propose_and_verify
 
 VOCAB = 40
 GREEDY = sampling.SamplingParams()
@@ -168,7 +167,7 @@ def test_state_is_seeded_from_history_and_reset_on_rebuild(model) -> None:  # ty
     proposer = LookaheadProposer(LookaheadConfig(window=4, ngram=3, candidates=3))
     session = KVSession("s", vocab_size=VOCAB)
     history = [3, 4, 5, 6, 7, 8]
-    propose_and_verify(model, session, Step(0, history), proposer, GREEDY, seed=1)
+    verify_directly(model, session, Step(0, history), proposer, GREEDY, seed=1)
     state = session.proposer_state[STATE_KEY]
     assert state.steps == 1
     # A rebuilt cache (cache_position 0) drops the state; the new window is seeded again,
@@ -188,8 +187,8 @@ def decode(model, proposer: LookaheadProposer, prompt: list[int], length: int,  
     session = KVSession("s", vocab_size=VOCAB)
     history, synced, drafted, accepted = list(prompt), 0, 0, 0
     while len(history) - len(prompt) < length:
-        verified = propose_and_verify(model, session, Step(synced, history[synced:]), proposer,
-                                      params, seed=len(history))
+        verified = verify_directly(model, session, Step(synced, history[synced:]), proposer,
+                                   params, seed=len(history))
         synced = verified.cache_length
         history += verified.committed_token_ids
         drafted += verified.proposed_count

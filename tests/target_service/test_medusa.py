@@ -7,7 +7,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny import PROMPTS, greedy_reference, make_model, make_tokenizer, random_prompts
+from tiny import (
+    PROMPTS,
+    greedy_reference,
+    make_model,
+    make_tokenizer,
+    random_prompts,
+    verify_directly,
+)
 from transformers import AutoModelForCausalLM
 
 from tandem import sampling
@@ -32,7 +39,6 @@ from target_service.medusa_train import (
     train_heads,
 )
 from target_service.proposers import NO_CANDIDATES
-from target_service.scorer import propose_and_verify
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -217,7 +223,7 @@ def decode(model, proposer: MedusaProposer, prompt: list[int], n: int,  # type: 
     history, out, proposed, accepted = [], [], 0, 0
     new = list(prompt)
     while len(out) < n:
-        step = propose_and_verify(model, session, Step(len(history), new), proposer, params, seed + len(out))
+        step = verify_directly(model, session, Step(len(history), new), proposer, params, seed + len(out))
         history += new
         new = list(step.committed_token_ids)
         out += new

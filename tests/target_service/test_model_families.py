@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny import verify_directly
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
@@ -23,7 +24,6 @@ from tandem import models, sampling
 from tandem.kv import KVSession
 from tandem.model_service import Step
 from target_service.lookahead import LookaheadConfig, LookaheadProposer
-from target_service.scorer import propose_and_verify
 
 VOCAB = 40
 SMALL = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
@@ -34,8 +34,8 @@ def through_lookahead(model: torch.nn.Module, prompt: list[int], n: int) -> list
     proposer, session = LookaheadProposer(LookaheadConfig(5, 3, 5)), KVSession("s", VOCAB)
     history, synced = list(prompt), 0
     while len(history) < len(prompt) + n:
-        verified = propose_and_verify(model, session, Step(synced, history[synced:]), proposer,
-                                      sampling.SamplingParams(), 0)
+        verified = verify_directly(model, session, Step(synced, history[synced:]), proposer,
+                                   sampling.SamplingParams(), 0)
         synced = verified.cache_length
         history += verified.committed_token_ids
     return history[len(prompt):len(prompt) + n]

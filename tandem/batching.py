@@ -1,0 +1,267 @@
+"""One forward pass over many sessions' steps: the scheduler's seam, and the batched pass.
+
+A service submits a `Pass`, which is data: the session, the prefix its cache must hold, the
+tokens to append, a segment to score and forget (a proposer's tree), and how many logits
+rows it needs. It gets `PassOutput` back. Rollback, sampling and scoring stay in the
+service; the `StepScheduler` sees every pass and merges the ones that are ready.
+
+A batched pass flattens every session's new tokens into one row [1, T], each at its own
+positions, under a block-diagonal mask: a token sees its own session's cache and, causally,
+its own session's tokens (a segment token: the rows its `visible` names), never another
+session's. The KV stays in each session's own `DynamicCache`: a `BatchCache` hands each
+layer's new keys and values to the sessions' caches and returns their concatenation, which
+the mask splits again. So rollback stays `crop`, eviction stays dropping a cache, and
+nothing here reaches into transformers' internals beyond the cache's `update`. The price is
+one copy of every batched session's KV per layer (cheap next to the weights on a CPU) and
+attention over all T x S scores with most masked (NOTE: a varlen/paged kernel would skip
+them; it matters at long contexts on GPUs).
+
+A batch of one runs exactly today's per-session pass (the model's own mask). Batched
+logits differ from it by float rounding (about 1e-6 in float32), the same caveat as a
+block of k+1 tokens against k+1 single-token passes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from tandem import models
+from tandem.kv import KVSession, Segment
+
+log = logging.getLogger(__name__)
+
+EMPTY_SEGMENT = Segment((), (), torch.zeros(0, 0, dtype=torch.bool))
+
+
+@dataclass(frozen=True, eq=False)
+class Pass:
+    """One session's part of a forward pass."""
+
+    session: KVSession
+    cache_position: int  # the cache is cut back to this prefix first
+    token_ids: tuple[int, ...]  # [n] appended, and kept in the cache
+    logits_to_keep: int = 1  # the last rows over token_ids (then every segment row)
+    segment: Segment = EMPTY_SEGMENT  # [t] scored after token_ids, then forgotten
+    with_hidden: bool = False  # the last hidden states at the same rows
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids) + len(self.segment.token_ids)
+
+
+@dataclass(frozen=True)
+class PassOutput:
+    logits: torch.Tensor  # [logits_to_keep + t, vocab], fp32, CPU
+    hidden: torch.Tensor | None  # [logits_to_keep + t, hidden], fp32, CPU
+
+
+#: How a service runs a pass: the host's scheduler, or `direct` in tests and tools.
+Forward = Callable[[Pass], Awaitable[PassOutput]]
+
+
+class BatchCache:
+    """The cache a batched pass sees: the sessions' caches side by side.
+
+    `parts` pairs each session's cache with how many of the pass's tokens are its own, in
+    the order they sit in the flattened row.
+    """
+
+    def __init__(self, parts: list[tuple[DynamicCache, int]]) -> None:
+        self.parts = parts
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        # key_states, value_states: [1, kv_heads, T, head_dim] -> [1, kv_heads, S, head_dim]
+        keys, values, start = [], [], 0
+        for cache, n in self.parts:
+            k, v = cache.update(key_states[:, :, start:start + n], value_states[:, :, start:start + n],
+                                layer_idx)
+            keys.append(k)
+            values.append(v)
+            start += n
+        return torch.cat(keys, dim=2), torch.cat(values, dim=2)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0  # a batched pass always names its positions
+
+
+def single(model: models.CausalLM, p: Pass) -> PassOutput:
+    """A pass on its own: today's per-session forward, with the model's own mask."""
+    p.session.rollback(p.cache_position)
+    if not p.segment.token_ids and not p.with_hidden:
+        return PassOutput(p.session.forward(model, list(p.token_ids), p.logits_to_keep), None)
+    assert p.logits_to_keep == 1, "a pass with a segment or hidden states keeps one history row"
+    logits, hidden = p.session.forward_segment(model, list(p.token_ids), p.segment, p.with_hidden)
+    return PassOutput(logits, hidden)
+
+
+@torch.inference_mode()
+def batched(model: models.CausalLM, passes: list[Pass], window: int | None) -> list[PassOutput]:
+    """Several sessions' passes as one forward (see the module docstring)."""
+    embeddings = model.get_input_embeddings().weight
+    device, dtype = embeddings.device, embeddings.dtype
+    ids: list[int] = []
+    positions: list[int] = []
+    rows: list[int] = []  # indices into the flat row whose logits are kept, pass by pass
+    blocks: list[torch.Tensor] = []  # each pass's [n + t, cached + n + t] allowed keys
+    parts: list[tuple[DynamicCache, int]] = []
+    cached = []
+    for p in passes:
+        p.session.rollback(p.cache_position)
+        c, n, t = p.session.length, len(p.token_ids), len(p.segment.token_ids)
+        query_positions = [*range(c, c + n), *(c + n + o for o in p.segment.offsets)]
+        key_positions = torch.tensor([*range(c), *query_positions])
+        allowed = torch.zeros(n + t, c + n + t, dtype=torch.bool)
+        allowed[:, :c + n] = torch.ones(n + t, c + n, dtype=torch.bool).tril(c)
+        allowed[n:, c + n:] = p.segment.visible
+        if window is not None:  # a sliding window: keys less than `window` positions back
+            allowed &= (torch.tensor(query_positions)[:, None] - key_positions[None, :]) < window
+        rows.extend(len(ids) + r for r in range(n - p.logits_to_keep, n + t))
+        ids.extend((*p.token_ids, *p.segment.token_ids))
+        positions.extend(query_positions)
+        blocks.append(allowed)
+        parts.append((p.session.cache, n + t))
+        cached.append(c)
+    allowed = torch.block_diag(*blocks)  # type: ignore[no-untyped-call]  # [T, S]
+    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+    with_hidden = any(p.with_hidden for p in passes)
+    out = model(input_ids=torch.tensor([ids], device=device), position_ids=torch.tensor([positions], device=device),
+                attention_mask=mask[None, None].to(device), cache=BatchCache(parts), use_cache=True,
+                output_hidden_states=with_hidden, logits_to_keep=torch.tensor(rows, device=device))
+    logits = out.logits[0].float().cpu()  # [len(rows), vocab]
+    hidden = out.hidden_states[-1][0, rows].float().cpu() if with_hidden else None
+    outputs, start = [], 0
+    for p, c in zip(passes, cached, strict=True):
+        end = start + p.logits_to_keep + len(p.segment.token_ids)
+        outputs.append(PassOutput(logits[start:end], hidden[start:end] if p.with_hidden and hidden is not None
+                                  else None))
+        start = end
+        if p.segment.token_ids:  # the segment sat at tree positions: forget it
+            p.session.rollback(c + len(p.token_ids))
+    return outputs
+
+
+def direct(model: models.CausalLM) -> Forward:
+    """Run each pass at once, on its own (tests and tools: no scheduler, no batching)."""
+    async def forward(p: Pass) -> PassOutput:
+        return single(model, p)
+    return forward
+
+
+def batching_refusal(model: models.CausalLM) -> str | None:
+    """Why this model's sessions cannot share a pass (None: they can)."""
+    config = model.config.get_text_config()
+    layer_types = set(getattr(config, "layer_types", None) or ())
+    if len(layer_types) > 1:
+        return (f"its layers mix attention types ({', '.join(sorted(layer_types))}), and one "
+                "hand-built mask serves all layers")
+    return None
+
+
+@dataclass
+class _Queued:
+    p: Pass
+    future: asyncio.Future[PassOutput]
+    loop: asyncio.AbstractEventLoop
+    queued: float = field(default_factory=time.perf_counter)
+
+
+@dataclass(frozen=True)
+class BatchStats:
+    sessions: int
+    tokens: int
+
+
+class StepScheduler:
+    """Runs every pass on one worker thread, as many sessions' passes per forward as are ready.
+
+    Each tick takes the passes queued (oldest first, one per session: a session's passes are
+    sequential) up to `max_sessions` and `max_tokens`, and runs them as one forward. With
+    max_sessions 1 it is the old one-at-a-time worker. The event loop stays free for I/O.
+    """
+
+    def __init__(self, max_sessions: int, max_tokens: int,
+                 on_batch: Callable[[BatchStats], None] = lambda stats: None) -> None:
+        self.max_sessions = max_sessions
+        self.max_tokens = max_tokens
+        self.on_batch = on_batch
+        self._queue: deque[_Queued] = deque()
+        self._ready = threading.Condition()
+        self._model: models.CausalLM | None = None
+        self._window: int | None = None
+
+    def start(self, model: models.CausalLM) -> None:
+        refusal = batching_refusal(model)
+        if refusal is not None and self.max_sessions > 1:
+            log.warning("sessions of this model run one per forward pass: %s", refusal)
+            self.max_sessions = 1
+        self._model, self._window = model, models.sliding_window(model)
+        threading.Thread(target=self._run, name="forward", daemon=True).start()
+
+    @property
+    def depth(self) -> int:
+        """Passes waiting for the worker."""
+        return len(self._queue)
+
+    async def __call__(self, p: Pass) -> PassOutput:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[PassOutput] = loop.create_future()
+        with self._ready:
+            self._queue.append(_Queued(p, future, loop))
+            self._ready.notify()
+        return await future
+
+    def _take(self) -> list[_Queued]:
+        with self._ready:
+            while not self._queue:
+                self._ready.wait()
+            batch = [self._queue.popleft()]
+            tokens, sessions = batch[0].p.num_tokens, {id(batch[0].p.session)}
+            kept: deque[_Queued] = deque()
+            while self._queue and len(batch) < self.max_sessions:
+                item = self._queue.popleft()
+                if id(item.p.session) in sessions or tokens + item.p.num_tokens > self.max_tokens:
+                    kept.append(item)
+                    continue
+                batch.append(item)
+                sessions.add(id(item.p.session))
+                tokens += item.p.num_tokens
+            self._queue.extendleft(reversed(kept))
+            return batch
+
+    def _run(self) -> None:
+        assert self._model is not None
+        while True:
+            batch = self._take()
+            live = [q for q in batch if not q.future.cancelled()]
+            if not live:
+                continue
+            try:
+                if len(live) == 1:
+                    outputs: list[PassOutput | BaseException] = [single(self._model, live[0].p)]
+                else:
+                    outputs = list(batched(self._model, [q.p for q in live], self._window))
+            except BaseException as exc:  # noqa: BLE001 - handed to every waiting step
+                outputs = [exc] * len(live)
+            self.on_batch(BatchStats(len(live), sum(q.p.num_tokens for q in live)))
+            for q, output in zip(live, outputs, strict=True):
+                q.loop.call_soon_threadsafe(_settle, q.future, output)
+
+
+def _settle(future: asyncio.Future[PassOutput], output: PassOutput | BaseException) -> None:
+    if future.done():
+        return  # the step was cancelled meanwhile
+    if isinstance(output, BaseException):
+        future.set_exception(output)
+    else:
+        future.set_result(output)

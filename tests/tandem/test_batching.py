@@ -1,0 +1,168 @@
+"""Batched passes against plain passes, and the scheduler that forms the batches.
+
+The reference for every session is a plain full pass over its history with the model's own
+mask: after random accepted prefixes (rollbacks) across sessions that share passes, each
+session's logits must equal it to float rounding (1e-4 in float32; every argmax equal),
+with draft blocks, token trees and a sliding window shorter than the text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+from tandem import batching
+from tandem.batching import Pass, StepScheduler
+from tandem.kv import KVSession, tree_segment
+
+VOCAB = 40
+TOLERANCE = 1e-4
+SMALL = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+         "initializer_range": 0.3}
+
+
+def llama() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(**SMALL)).eval()
+
+
+def mistral() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return MistralForCausalLM(MistralConfig(**SMALL, sliding_window=8)).eval()
+
+
+def full_pass(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(input_ids=torch.tensor([ids])).logits[0]  # type: ignore[no-any-return]
+
+
+def reference(model: torch.nn.Module, history: list[int], p: Pass, parents: tuple[int, ...]) -> torch.Tensor:
+    """What the pass must return, from plain full passes with the model's own mask: the last
+    rows over history + new tokens, then each tree node's row after its path from the root."""
+    ids = history + list(p.token_ids)
+    rows = [full_pass(model, ids)[-p.logits_to_keep:]]
+    for node in range(len(p.segment.token_ids)):
+        path = [node]
+        while parents[path[-1]] >= 0:
+            path.append(parents[path[-1]])
+        rows.append(full_pass(model, ids + [p.segment.token_ids[j] for j in reversed(path)])[-1:])
+    return torch.cat(rows)
+
+
+@pytest.mark.parametrize("make", [llama, mistral], ids=["llama", "mistral-window-8"])
+def test_batched_passes_match_one_cache_per_session(make) -> None:  # type: ignore[no-untyped-def]
+    model, rng = make(), random.Random(1)
+    sessions = [KVSession(f"s{i}", VOCAB) for i in range(5)]
+    histories: list[list[int]] = [[] for _ in sessions]
+    window = batching.models.sliding_window(model)
+    for round_ in range(20):
+        passes, kept, trees = [], [], []
+        for session, history in zip(sessions, histories, strict=True):
+            # Each session keeps a random prefix of what it holds (a rejection), then adds a
+            # block of 1-5 tokens, or a token tree after its new token.
+            keep = rng.randint(max(0, len(history) - 4), len(history)) if history else 0
+            del history[keep:]
+            new = [rng.randrange(2, VOCAB) for _ in range(rng.randint(1, 5))]
+            if round_ % 3 == 2:
+                new = new[:1]
+                parents = (-1, 0, 0, 1)
+                segment = tree_segment(tuple(rng.randrange(2, VOCAB) for _ in range(4)), parents)
+                passes.append(Pass(session, keep, tuple(new), 1, segment))
+            else:
+                parents = ()
+                passes.append(Pass(session, keep, tuple(new), logits_to_keep=len(new)))
+            trees.append(parents)
+            kept.append(list(history))
+            history.extend(new)
+        outputs = batching.batched(model, passes, window)
+        for p, before, out, parents in zip(passes, kept, outputs, trees, strict=True):
+            expected = reference(model, before, p, parents)
+            assert out.logits.shape == expected.shape
+            assert torch.allclose(out.logits, expected, atol=TOLERANCE), (out.logits - expected).abs().max()
+            assert torch.equal(out.logits.argmax(-1), expected.argmax(-1))
+            assert p.session.length == len(before) + len(p.token_ids)  # the tree was forgotten
+
+
+def test_hidden_states_come_back_for_the_sessions_that_ask() -> None:
+    model = llama()
+    a, b = KVSession("a", VOCAB), KVSession("b", VOCAB)
+    segment = tree_segment((5, 6), (-1, 0))
+    out_a, out_b = batching.batched(model, [Pass(a, 0, (3, 4), 1, segment, with_hidden=True),
+                                            Pass(b, 0, (7, 8, 9))], None)
+    alone = batching.single(model, Pass(KVSession("c", VOCAB), 0, (3, 4), 1, segment, with_hidden=True))
+    assert out_b.hidden is None and out_a.hidden is not None and alone.hidden is not None
+    assert torch.allclose(out_a.hidden, alone.hidden, atol=TOLERANCE)
+
+
+def test_the_scheduler_batches_ready_passes_and_answers_each_its_own() -> None:
+    model = llama()
+    seen: list[batching.BatchStats] = []
+    scheduler = StepScheduler(max_sessions=8, max_tokens=64, on_batch=seen.append)
+    scheduler.start(model)
+
+    async def decode(session: KVSession, prompt: list[int], steps: int) -> list[int]:
+        out = await scheduler(Pass(session, 0, tuple(prompt)))
+        tokens = [int(out.logits[-1].argmax())]
+        for _ in range(steps - 1):
+            out = await scheduler(Pass(session, session.length, (tokens[-1],)))
+            tokens.append(int(out.logits[-1].argmax()))
+        return tokens
+
+    async def everyone() -> list[list[int]]:
+        return list(await asyncio.gather(*(decode(KVSession(f"s{i}", VOCAB), [3 + i, 4, 5 + i], 12)
+                                           for i in range(6))))
+
+    together = asyncio.run(everyone())
+    for i, tokens in enumerate(together):
+        alone = asyncio.run(decode_directly(model, [3 + i, 4, 5 + i], 12))
+        assert tokens == alone
+    assert max(s.sessions for s in seen) > 1  # passes really shared a forward
+    assert sum(s.sessions for s in seen) == 6 * 12
+
+
+async def decode_directly(model: torch.nn.Module, prompt: list[int], steps: int) -> list[int]:
+    forward, session = batching.direct(model), KVSession("alone", VOCAB)
+    out = await forward(Pass(session, 0, tuple(prompt)))
+    tokens = [int(out.logits[-1].argmax())]
+    for _ in range(steps - 1):
+        out = await forward(Pass(session, session.length, (tokens[-1],)))
+        tokens.append(int(out.logits[-1].argmax()))
+    return tokens
+
+
+def test_the_scheduler_keeps_its_limits() -> None:
+    model = llama()
+    seen: list[batching.BatchStats] = []
+    scheduler = StepScheduler(max_sessions=2, max_tokens=6, on_batch=seen.append)
+    scheduler.start(model)
+
+    async def everyone() -> None:
+        sessions = [KVSession(f"s{i}", VOCAB) for i in range(5)]
+        await asyncio.gather(*(scheduler(Pass(s, 0, (3, 4, 5))) for s in sessions))
+        await asyncio.gather(*(scheduler(Pass(s, 0, tuple(range(3, 13)))) for s in sessions[:2]))
+
+    asyncio.run(everyone())
+    assert all(s.sessions <= 2 for s in seen)
+    assert all(s.tokens <= 6 or s.sessions == 1 for s in seen)  # a long pass runs alone
+    assert sum(s.sessions for s in seen) == 7
+
+
+def test_a_failed_pass_fails_only_its_steps_and_the_scheduler_goes_on() -> None:
+    model = llama()
+    scheduler = StepScheduler(max_sessions=4, max_tokens=64)
+    scheduler.start(model)
+
+    async def run() -> None:
+        bad = KVSession("bad", VOCAB)
+        with pytest.raises(Exception, match="beyond the session's cache length"):
+            await scheduler(Pass(bad, 5, (3,)))
+        good = KVSession("good", VOCAB)
+        out = await scheduler(Pass(good, 0, (3, 4)))
+        assert out.logits.shape == (1, VOCAB)
+
+    asyncio.run(run())
