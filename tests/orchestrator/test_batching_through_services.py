@@ -1,0 +1,102 @@
+"""Many sessions share each forward pass on the draft and the target, through real processes.
+
+Sixteen concurrent requests with mixed k (0, 1, 4, 8), mixed prompt lengths and every
+proposer: each one's greedy output equals the target's own generate() and the same request
+run alone. The replicas' batch histograms prove the passes were shared, and sessions and
+cached tokens return to zero. The sampled law holds while other sessions share the batch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from laws import ALPHA, T1, exact_law, p_value, rows, sample_cells, small_pair
+from tiny import greedy_reference, random_prompts
+
+from tandem.launch import Process, Stack, start_stack
+
+pytestmark = pytest.mark.slow  # stacks of their own and thousands of requests (CI runs it)
+
+LENGTH = 24
+METRICS = ["--metrics-port", "0"]
+
+
+def mean_batch(replica: Process) -> float:
+    samples = replica.metrics()
+    return samples["tandem_batch_sessions_sum"] / samples["tandem_batch_sessions_count"]
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_draft: Path, tiny_target: Path, tiny_medusa: Path) -> Iterator[Stack]:
+    stack = start_stack(str(tiny_draft), str(tiny_target), draft_args=METRICS,
+                        target_args=[*METRICS, "--medusa-heads", str(tiny_medusa)])
+    yield stack
+    stack.stop()
+
+
+def test_sixteen_mixed_sessions_sharing_passes_each_equal_the_target_alone(
+        stack: Stack, tiny_target: Path) -> None:
+    lengths = itertools.cycle([1, 3, 8, 17, 30])
+    prompts = [random_prompts(30, 1, next(lengths), seed=i)[0] for i in range(16)]  # no EOS, no unk
+    settings = [{"num_speculative_tokens": k, "proposer": proposer} for k, proposer in zip(
+        itertools.cycle([0, 1, 4, 8]),
+        itertools.chain.from_iterable(itertools.repeat(p, 4) for p in
+                                      ("draft-model", "prompt-lookup", "lookahead", "medusa")))]
+    before = {role: r.metrics() for role, r in (("draft", stack.drafts[0]), ("target", stack.targets[0]))}
+
+    def request(i: int) -> list[int]:
+        with stack.client() as client:
+            return list(client.generate(prompts[i], max_new_tokens=LENGTH, ignore_eos=True,
+                                        **settings[i]).token_ids)  # type: ignore[arg-type]
+
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        together = list(pool.map(request, range(16)))
+    shared = {role: _mean_since(r, before[role]) for role, r in
+              (("draft", stack.drafts[0]), ("target", stack.targets[0]))}
+    alone = [request(i) for i in range(16)]
+    for i, prompt in enumerate(prompts):
+        expected = greedy_reference(tiny_target, prompt, LENGTH)
+        assert together[i] == expected, f"request {i} ({settings[i]}) changed when batched"
+        assert alone[i] == expected
+    # The passes really were shared, on both services (only the draft-model quarter of the
+    # requests drafts, so the draft shares less).
+    assert shared["target"] > 1.5, shared
+    assert shared["draft"] > 1.0, shared
+    for replica in (stack.drafts[0], stack.targets[0]):
+        _wait_for_zero(replica)
+
+
+def _mean_since(replica: Process, before: dict[str, float]) -> float:
+    now = replica.metrics()
+    name = "tandem_batch_sessions"
+    return (now[f"{name}_sum"] - before.get(f"{name}_sum", 0.0)) / \
+        (now[f"{name}_count"] - before.get(f"{name}_count", 0.0))
+
+
+def _wait_for_zero(replica: Process, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        samples = replica.metrics()
+        if samples.get("tandem_sessions_active", 0) == 0 and samples.get("tandem_kv_cached_tokens", 0) == 0:
+            return
+        assert time.monotonic() < deadline, f"sessions or cached tokens left on {replica.address}: {samples}"
+        time.sleep(0.1)
+
+
+def test_sampled_law_holds_while_sessions_share_the_batch(tiny_dir: Path) -> None:
+    target, draft = small_pair(tiny_dir / "batched-v6")
+    stack = start_stack(str(draft), str(target), draft_args=METRICS, target_args=METRICS)
+    try:
+        counts, accepted, drafted = sample_cells(stack, T1, "draft-model")  # 8 requests at a time
+        assert 0 < accepted < drafted
+        assert p_value(counts, exact_law(rows(target, T1))) > ALPHA
+        assert mean_batch(stack.targets[0]) > 1.5
+        assert mean_batch(stack.drafts[0]) > 1.5
+    finally:
+        stack.stop()
+
