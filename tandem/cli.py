@@ -461,7 +461,8 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         if only is None or only == name:
             add_arguments(p)
     sub.add_parser("bench", help="benchmark every mode side by side (tandem bench --help)")
-    sub.add_parser("bench-load", help="concurrent clients: errors, exactness, leaks, latency "
+    sub.add_parser("bench-load", help="concurrent clients: errors, exactness, leaks, latency; "
+                   "--sweep: throughput against concurrency, batched and not "
                    "(tandem bench-load --help)")
     return parser
 
@@ -472,6 +473,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         from bench.run import main as bench_main
 
         bench_main(argv[1:])
+        return
+    if argv[:1] == ["bench-load"] and "--sweep" in argv:  # tandem bench-load --sweep --help
+        from bench.sweep import main as sweep_main
+
+        sweep_main([a for a in argv[1:] if a != "--sweep"])
         return
     if argv[:1] == ["bench-load"]:  # tandem bench-load --help
         from bench.load import main as load_main

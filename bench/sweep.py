@@ -1,0 +1,210 @@
+"""`tandem bench-load --sweep`: throughput and latency against concurrency, three ways.
+
+The same greedy requests (HumanEval prompts, EOS ignored, a fixed number of tokens) from 1,
+2, 4, ... concurrent streaming clients, against three stacks on the same models:
+
+- per-session k=0: the target alone, one session per forward pass (--max-batch-sessions 1),
+  the way every service ran before the step scheduler;
+- batched k=0: the target alone, every ready session in one pass;
+- batched speculation: the draft model under the adaptive policy, both services batching.
+
+Per point: tokens/s (all completion tokens over the wall time), p50/p99 time to first
+token, p50/p99 inter-token latency (the gap before each streamed delta, spread over its
+tokens), and the target's mean sessions per pass. It writes JSON, a Markdown table and a
+PNG under bench/results/sweep-<time>/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from bench.load import percentile
+from bench.prompts import prompts as bench_prompts
+from tandem import models
+from tandem.launch import Process, start_stack
+from tandem.server import CHANNEL_OPTIONS
+from tandem.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
+
+MODES = {  # name: (services' flags, draft model used, k per request: None = the policy's)
+    "per-session k=0": (["--max-batch-sessions", "1"], False, 0),
+    "batched k=0": ([], False, 0),
+    "batched speculation": ([], True, None),
+}
+
+
+@dataclass
+class Point:
+    mode: str
+    clients: int
+    requests: int
+    tokens: int
+    wall_s: float
+    tokens_per_s: float
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    itl_p50_ms: float
+    itl_p99_ms: float
+    mean_batch_sessions: float
+
+
+async def _one(stub: Any, prompt: str, max_new_tokens: int, k: int | None) -> tuple[int, float, list[float]]:
+    request = orchestrator_pb2.GenerateRequest(prompt=prompt, max_new_tokens=max_new_tokens, ignore_eos=True,
+                                               sampling=common_pb2.SamplingParams(temperature=0.0))
+    if k is not None:
+        request.num_speculative_tokens = k
+    started = last = time.perf_counter()
+    tokens, ttft, gaps = 0, 0.0, []
+    async for message in stub.Generate(request, timeout=3600):
+        if message.HasField("delta") and message.delta.token_ids:
+            now = time.perf_counter()
+            n = len(message.delta.token_ids)
+            if tokens == 0:
+                ttft = now - started
+            else:
+                gaps.extend([(now - last) / n] * n)
+            tokens, last = tokens + n, now
+    return tokens, ttft, gaps
+
+
+async def _drive(address: str, prompts: Sequence[str], clients: int, max_new_tokens: int,
+                 k: int | None) -> tuple[list[tuple[int, float, list[float]]], float]:
+    queue: asyncio.Queue[str] = asyncio.Queue()
+    for prompt in prompts:
+        queue.put_nowait(prompt)
+    results: list[tuple[int, float, list[float]]] = []
+
+    async def client() -> None:
+        async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+            stub = orchestrator_pb2_grpc.OrchestratorServiceStub(channel)
+            while not queue.empty():
+                results.append(await _one(stub, queue.get_nowait(), max_new_tokens, k))
+
+    started = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(clients)))
+    return results, time.perf_counter() - started
+
+
+def _batch_counts(target: Process) -> tuple[float, float]:
+    samples = target.metrics()
+    return samples.get("tandem_batch_sessions_sum", 0.0), samples.get("tandem_batch_sessions_count", 0.0)
+
+
+def sweep(draft: str, target: str, *, draft_args: Sequence[str], target_args: Sequence[str],
+          concurrency: Sequence[int], max_new_tokens: int, min_requests: int, threads: int,
+          modes: Sequence[str], prompt_chars: int = 0) -> list[Point]:
+    texts = [p.text[-prompt_chars:] if prompt_chars else p.text
+             for p in bench_prompts(num_code=max(*concurrency, min_requests), num_prose=0)]
+    points = []
+    for mode in modes:
+        flags, drafting, k = MODES[mode]
+        metrics = ["--metrics-port", "0"]
+        stack = start_stack(draft if drafting else None, target, threads=threads,
+                            draft_args=[*draft_args, *flags, *metrics],
+                            target_args=[*target_args, *flags, *metrics])
+        try:
+            asyncio.run(_drive(stack.address, texts[:1], 1, 4, k))  # warm-up
+            for clients in concurrency:
+                prompts = texts[:max(clients, min_requests)]
+                before = _batch_counts(stack.targets[0])
+                results, wall = asyncio.run(_drive(stack.address, prompts, clients, max_new_tokens, k))
+                after = _batch_counts(stack.targets[0])
+                tokens = sum(r[0] for r in results)
+                ttfts = [r[1] * 1000 for r in results]
+                gaps = [g * 1000 for r in results for g in r[2]]
+                passes = after[1] - before[1]
+                point = Point(mode, clients, len(results), tokens, wall, tokens / wall,
+                              statistics.median(ttfts), percentile(ttfts, 99),
+                              statistics.median(gaps) if gaps else 0.0, percentile(gaps, 99),
+                              (after[0] - before[0]) / passes if passes else 0.0)
+                points.append(point)
+                print(f"{mode:>20} x{clients:<3} {point.tokens_per_s:7.2f} tokens/s, TTFT p50 "
+                      f"{point.ttft_p50_ms:.0f} ms, ITL p50 {point.itl_p50_ms:.0f} ms, "
+                      f"{point.mean_batch_sessions:.1f} sessions/pass", flush=True)
+        finally:
+            stack.stop()
+    return points
+
+
+def markdown(points: Sequence[Point]) -> str:
+    base = {p.clients: p.tokens_per_s for p in points if p.mode == "per-session k=0"}
+    batched = {p.clients: p.tokens_per_s for p in points if p.mode == "batched k=0"}
+    lines = ["| mode | clients | tokens/s | vs per-session k=0 | vs batched k=0 | TTFT p50 / p99 ms | "
+             "ITL p50 / p99 ms | sessions per pass |", "|---|---|---|---|---|---|---|---|"]
+    for p in points:
+        vs_base = f"{p.tokens_per_s / base[p.clients]:.2f}x" if p.clients in base else "-"
+        vs_batched = f"{p.tokens_per_s / batched[p.clients]:.2f}x" if p.clients in batched else "-"
+        lines.append(f"| {p.mode} | {p.clients} | {p.tokens_per_s:.2f} | {vs_base} | {vs_batched} | "
+                     f"{p.ttft_p50_ms:.0f} / {p.ttft_p99_ms:.0f} | {p.itl_p50_ms:.0f} / {p.itl_p99_ms:.0f} | "
+                     f"{p.mean_batch_sessions:.1f} |")
+    return "\n".join(lines)
+
+
+def plot(points: Sequence[Point], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for mode in dict.fromkeys(p.mode for p in points):
+        mine = [p for p in points if p.mode == mode]
+        clients = [p.clients for p in mine]
+        axes[0].plot(clients, [p.tokens_per_s for p in mine], marker="o", label=mode)
+        axes[1].plot(clients, [p.ttft_p50_ms for p in mine], marker="o", label=mode)
+        axes[2].plot(clients, [p.itl_p50_ms for p in mine], marker="o", label=mode)
+    for ax, label in zip(axes, ("tokens/s", "time to first token, p50 (ms)",
+                                "inter-token latency, p50 (ms)"), strict=True):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent clients")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="tandem bench-load --sweep", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--draft", default=models.DEFAULT_DRAFT)
+    parser.add_argument("--target", default=models.DEFAULT_TARGET)
+    parser.add_argument("--draft-args", default="--quantize int8-dynamic --dtype float32",
+                        help="extra draft-service flags (default: the int8 draft)")
+    parser.add_argument("--target-args", default="--dtype auto", help="extra target-service flags")
+    parser.add_argument("--concurrency", default="1,2,4,8,16,32")
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--min-requests", type=int, default=4, help="requests per point, at least")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per service")
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--prompt-chars", type=int, default=0,
+                        help="keep only each prompt's last N characters (0: whole prompts)")
+    parser.add_argument("--out", default="", help="directory for the results")
+    args = parser.parse_args(argv)
+    points = sweep(args.draft, args.target, draft_args=args.draft_args.split(),
+                   target_args=args.target_args.split(),
+                   concurrency=[int(c) for c in args.concurrency.split(",")],
+                   max_new_tokens=args.max_new_tokens, min_requests=args.min_requests,
+                   threads=args.threads, modes=args.modes.split(","), prompt_chars=args.prompt_chars)
+    out = Path(args.out or f"bench/results/sweep-{time.strftime('%Y%m%d-%H%M%S')}")
+    out.mkdir(parents=True, exist_ok=True)
+    table = markdown(points)
+    (out / "sweep.json").write_text(json.dumps({"args": vars(args), "points": [asdict(p) for p in points]},
+                                               indent=2))
+    (out / "sweep.md").write_text(table + "\n")
+    plot(points, out / "sweep.png")
+    print(table)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
