@@ -138,8 +138,9 @@ def sweep(draft: str, target: str, *, draft_args: Sequence[str], target_args: Se
 def markdown(points: Sequence[Point]) -> str:
     base = {p.clients: p.tokens_per_s for p in points if p.mode == "per-session k=0"}
     batched = {p.clients: p.tokens_per_s for p in points if p.mode == "batched k=0"}
-    lines = ["| mode | clients | tokens/s | vs per-session k=0 | vs batched k=0 | TTFT p50 / p99 ms | "
-             "ITL p50 / p99 ms | sessions per pass |", "|---|---|---|---|---|---|---|---|"]
+    header = ("| mode | clients | tokens/s | vs per-session k=0 | vs batched k=0 | TTFT p50 / p99 ms | "
+              "ITL p50 / p99 ms | sessions per pass |")
+    lines = [header, "|---|---|---|---|---|---|---|---|"]
     for p in points:
         vs_base = f"{p.tokens_per_s / base[p.clients]:.2f}x" if p.clients in base else "-"
         vs_batched = f"{p.tokens_per_s / batched[p.clients]:.2f}x" if p.clients in batched else "-"

@@ -91,6 +91,16 @@ EMPTY_BLOCK = DraftBlock((), (), (), 0, 0.0)
 
 
 @dataclass(frozen=True)
+class PassLoad:
+    """The target's forward pass that served a step: what the policy sees of the load."""
+
+    sessions: int  # whose steps shared the pass
+    tokens: int  # in the pass, over its sessions
+    pass_ms: float  # the pass alone (compute_ms adds the wait for it)
+    queue_depth: int  # passes waiting at the replica when the step was answered
+
+
+@dataclass(frozen=True)
 class TargetScores:
     """The target's answer to a DraftBlock: what rejection sampling needs; the orchestrator
     draws the uniforms and decides what is accepted."""
@@ -98,6 +108,7 @@ class TargetScores:
     scored: sampling.ScoredBlock
     cache_length: int  # tokens in the target session's cache after the step
     compute_ms: float
+    load: PassLoad | None = None  # None: a replica that does not report it
 
 
 @dataclass(frozen=True)

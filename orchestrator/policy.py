@@ -9,10 +9,19 @@ et al. 2023),
 tokens and costs k * t_draft + t_verify(k + 1) + t_overhead. The adaptive policy picks
 the k in [0, k_max] that maximises E(k) / cost(k), with alpha from the request's own
 acceptance so far (shrunk towards the deployment's running average) and the costs
-measured on this deployment's replicas. t_verify depends on the block size: on a GPU
-it is nearly flat, on a CPU without wide matrix units it is not, which is why it is
-measured per size instead of assumed. A size not yet measured is assumed to cost what
-one token does (optimism), so it gets tried and then measured.
+measured on this deployment's replicas.
+
+The target's cost is a curve v(T): the time of one forward pass over T tokens, which
+replicas report with every step (the pass that served it, its sessions and tokens, since
+passes are shared by every session that is ready). On a GPU v is nearly flat up to
+hundreds of tokens (memory-bound); on a CPU it is not; under load every pass holds N
+sessions. So a step of k drafted tokens is costed as one pass of N * (k + 1) tokens, the
+fleet's view: if every session in the pass drafts k, that is what the pass holds. While v
+is flat, speculation is nearly free and k stays high; as load makes the target
+compute-bound (v grows with T), the extra tokens crowd out other sessions' real tokens
+and k falls towards 0; it rises again as load drops. A size not yet measured is assumed
+to cost what the nearest smaller measured pass does (optimism), so it gets tried and then
+measured.
 
 Whatever k is chosen, the output is exact: the policy changes speed, never tokens.
 """
@@ -20,6 +29,8 @@ Whatever k is chosen, the output is exact: the policy changes speed, never token
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from orchestrator.domain import PassLoad
 
 POLICIES = ("adaptive", "fixed")
 
@@ -75,29 +86,43 @@ class CostModel:
     """Running costs of this deployment, shared by all requests of one orchestrator."""
 
     draft_ms_per_token: Ema = field(default_factory=Ema)
-    verify_ms: dict[int, Ema] = field(default_factory=dict)  # by block size k + 1
+    verify_ms: dict[int, Ema] = field(default_factory=dict)  # v(T): a target pass by its tokens T
     overhead_ms: Ema = field(default_factory=Ema)  # per step, outside both forwards
     alpha: Acceptance = field(default_factory=Acceptance)
+    # Sessions per target pass (1 until a replica reports sharing); shared like verify_ms.
+    batch_sessions: Ema = field(default_factory=lambda: Ema(weight=0.2))
 
-    def verify(self, size: int) -> float | None:
-        known = self.verify_ms.get(size)
+    def verify(self, tokens: int) -> float | None:
+        """v(tokens), or the nearest smaller measured pass (optimism); None: nothing that small."""
+        known = self.verify_ms.get(tokens)
         if known is not None and known.value is not None:
             return known.value
-        single = self.verify_ms.get(1)
-        return single.value if single is not None else None
+        smaller = [t for t, ema in self.verify_ms.items() if t < tokens and ema.value is not None]
+        return self.verify_ms[max(smaller)].value if smaller else None
+
+    def sessions_per_pass(self) -> int:
+        return max(1, round(self.batch_sessions.value or 1.0))
 
     def for_proposer(self) -> CostModel:
         """A cost model for another proposer: its own draft cost and acceptance, but this
-        deployment's target, so the same verify and overhead measurements."""
-        return CostModel(verify_ms=self.verify_ms, overhead_ms=self.overhead_ms)
+        deployment's target, so the same verify, load and overhead measurements."""
+        return CostModel(verify_ms=self.verify_ms, overhead_ms=self.overhead_ms,
+                         batch_sessions=self.batch_sessions)
 
     def observe(self, k: int, accepted: int, draft_ms: float, verify_ms: float, step_ms: float,
-                verify_tokens: int) -> None:
+                verify_tokens: int, load: PassLoad | None = None) -> None:
+        """A decode step: its k and acceptance, stage times, the tokens it sent the target,
+        and the target's pass that served it (None: a replica that does not report it, taken
+        as a pass of this step alone, as long as compute_ms)."""
         if k > 0:
             self.draft_ms_per_token.add(draft_ms / k)
             self.alpha.add(accepted, tested_tokens(k, accepted))
-        self.verify_ms.setdefault(verify_tokens, Ema()).add(verify_ms)
-        self.overhead_ms.add(max(0.0, step_ms - draft_ms - verify_ms))
+        sessions, tokens, pass_ms = (load.sessions, load.tokens, load.pass_ms) if load is not None \
+            else (1, verify_tokens, verify_ms)
+        self.verify_ms.setdefault(tokens, Ema()).add(pass_ms)
+        self.batch_sessions.add(sessions)
+        # The wait for a shared pass is overhead: it does not grow with this step's k.
+        self.overhead_ms.add(max(0.0, step_ms - draft_ms - pass_ms))
 
 
 @dataclass
@@ -125,13 +150,14 @@ class Speculation:
         t_draft = self.costs.draft_ms_per_token.value
         if t_draft is None:
             return cap  # nothing measured yet: speculate, and learn
-        t_one = self.costs.verify(1)
+        sessions = self.costs.sessions_per_pass()
+        t_one = self.costs.verify(sessions)
         if t_one is None:
-            return 0  # only blocks were measured: learn what a plain step costs, once
+            return 0  # only bigger passes were measured: learn what a plain step costs, once
         alpha, overhead = self.alpha(), self.costs.overhead_ms.value or 0.0
         best_k, best_rate = 0, 0.0
         for k in range(cap + 1):
-            cost = k * t_draft + (self.costs.verify(k + 1) or t_one) + overhead
+            cost = k * t_draft + (self.costs.verify(sessions * (k + 1)) or t_one) + overhead
             rate = expected_tokens(alpha, k) / cost
             if rate > best_rate:
                 best_k, best_rate = k, rate
@@ -140,9 +166,9 @@ class Speculation:
         return best_k
 
     def observe(self, k: int, accepted: int, draft_ms: float, verify_ms: float, step_ms: float,
-                verify_tokens: int) -> None:
+                verify_tokens: int, load: PassLoad | None = None) -> None:
         """Record a decode step (not a prefill) of k drafted tokens, verify_tokens scored in one pass."""
         self.tested += tested_tokens(k, accepted)
         self.accepted += accepted
         self.idle_steps = 0 if k else self.idle_steps + 1
-        self.costs.observe(k, accepted, draft_ms, verify_ms, step_ms, verify_tokens)
+        self.costs.observe(k, accepted, draft_ms, verify_ms, step_ms, verify_tokens, load)

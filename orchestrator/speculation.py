@@ -86,7 +86,7 @@ async def speculate(gen: Generation, proposer: Proposer | None, target: TargetSe
         # cost would be filed under its 1-2 new tokens, where the draft policy reads.
         if not prefill and not isinstance(result, TreeCommit):
             policy.observe(len(block.token_ids), accepted, block.compute_ms, result.compute_ms,
-                           step_ms, len(history) - target_synced + len(block.token_ids))
+                           step_ms, len(history) - target_synced + len(block.token_ids), result.load)
 
         eos_at = next((i for i, t in enumerate(new) if t in gen.eos_token_ids), None)
         new = new[: remaining if eos_at is None else min(eos_at + 1, remaining)]

@@ -16,6 +16,7 @@ from orchestrator.domain import (
     FinishReason,
     GenerationRequest,
     ModelInfo,
+    PassLoad,
     Summary,
     TargetResult,
     TargetScores,
@@ -102,10 +103,12 @@ def target_result_from_proto(proto: target_pb2.ScoreBlocksResponse) -> TargetRes
     kind = proto.WhichOneof("result")
     if kind == "block_scores":
         scores = proto.block_scores
+        load = PassLoad(proto.batch_session_count, proto.batch_token_count, proto.pass_ms,
+                        proto.queue_depth_count) if proto.batch_session_count else None
         return TargetScores(sampling.ScoredBlock(tuple(scores.target_probs),
                                                  tuple(scores.recovered_token_ids),
                                                  scores.bonus_token_id),
-                            proto.cache_length, proto.compute_ms)
+                            proto.cache_length, proto.compute_ms, load)
     if kind == "verified_tree":
         tree = proto.verified_tree
         return TreeCommit(tuple(tree.committed_token_ids), tree.proposed_token_count,

@@ -178,8 +178,11 @@ class _Queued:
 
 @dataclass(frozen=True)
 class BatchStats:
+    """One forward pass of the scheduler: what a step reports of the pass that served it."""
+
     sessions: int
     tokens: int
+    ms: float = 0.0
 
 
 class StepScheduler:
@@ -246,6 +249,7 @@ class StepScheduler:
             live = [q for q in batch if not q.future.cancelled()]
             if not live:
                 continue
+            started = time.perf_counter()
             try:
                 if len(live) == 1:
                     outputs: list[PassOutput | BaseException] = [single(self._model, live[0].p)]
@@ -253,8 +257,11 @@ class StepScheduler:
                     outputs = list(batched(self._model, [q.p for q in live], self._window))
             except BaseException as exc:  # noqa: BLE001 - handed to every waiting step
                 outputs = [exc] * len(live)
-            self.on_batch(BatchStats(len(live), sum(q.p.num_tokens for q in live)))
+            stats = BatchStats(len(live), sum(q.p.num_tokens for q in live),
+                               (time.perf_counter() - started) * 1000.0)
+            self.on_batch(stats)
             for q, output in zip(live, outputs, strict=True):
+                q.p.session.last_pass = stats  # read by the step once its future resolves
                 q.loop.call_soon_threadsafe(_settle, q.future, output)
 
 

@@ -64,6 +64,8 @@ class KVSession:
     # cache was evicted.
     reserved: int = 0
     last_used: int = 0
+    # The last forward pass that served this session (a batching.BatchStats), for its reply.
+    last_pass: Any = None
     busy: bool = False
     evicted: bool = False
 

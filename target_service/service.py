@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 
@@ -82,6 +83,12 @@ class TargetService(ModelServicer, target_pb2_grpc.TargetServiceServicer):
                                  f"replica (it runs: {runs})")
         return self.proposers[proposal.proposer]
 
+    def _load(self, session: KVSession) -> dict[str, Any]:
+        """The pass that served the step and the queue behind it: what the policy sees of load."""
+        stats = session.last_pass
+        return {"batch_session_count": stats.sessions, "batch_token_count": stats.tokens,
+                "pass_ms": stats.ms, "queue_depth_count": self.host.scheduler.depth}
+
     @handle_errors
     async def ScoreBlocks(
         self, request_iterator: AsyncIterator[target_pb2.ScoreBlocksRequest],
@@ -100,7 +107,7 @@ class TargetService(ModelServicer, target_pb2_grpc.TargetServiceServicer):
                     session, history + proposer.max_segment_tokens, propose_and_verify, session,
                     step, proposer, params, request.seed, exact_positions)
                 yield target_pb2.ScoreBlocksResponse(
-                    cache_length=verified.cache_length, compute_ms=ms,
+                    cache_length=verified.cache_length, compute_ms=ms, **self._load(session),
                     verified_tree=target_pb2.VerifiedTree(
                         committed_token_ids=verified.committed_token_ids,
                         proposed_token_count=verified.proposed_count))
@@ -109,7 +116,7 @@ class TargetService(ModelServicer, target_pb2_grpc.TargetServiceServicer):
                 scored, ms = await self.host.run_step(session, history + len(ids), score_block,
                                                       session, step, ids, dists, params, request.seed)
                 yield target_pb2.ScoreBlocksResponse(
-                    cache_length=scored.cache_length, compute_ms=ms,
+                    cache_length=scored.cache_length, compute_ms=ms, **self._load(session),
                     block_scores=target_pb2.BlockScores(
                         target_probs=scored.scored.target_probs,
                         recovered_token_ids=scored.scored.recovered_token_ids,

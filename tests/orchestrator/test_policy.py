@@ -108,3 +108,45 @@ def test_the_deployment_acceptance_is_a_ratio_of_running_sums() -> None:
     assert rate.value == 1.0
     rate.add(0, 1)
     assert rate.value == pytest.approx(2.0 / 2.5)
+
+
+def loaded(draft_ms: float, passes: dict[int, float], sessions: int, alpha: float) -> CostModel:
+    """Costs measured under load: every target pass held `sessions` sessions' steps."""
+    from orchestrator.domain import PassLoad
+
+    costs = CostModel()
+    costs.draft_ms_per_token.value = draft_ms
+    costs.batch_sessions.value = float(sessions)
+    for tokens, ms in passes.items():
+        costs.observe(0, 0, 0.0, ms, ms, 1, PassLoad(sessions, tokens, ms, 0))
+    costs.overhead_ms.value = 0.0
+    costs.alpha = Acceptance(accepted=alpha, tested=1.0)
+    return costs
+
+
+def test_speculation_falls_to_zero_as_load_makes_the_target_compute_bound() -> None:
+    # One curve v(T) of the target: flat up to 8 tokens a pass, then linear (compute-bound).
+    curve = {t: 100.0 * max(1.0, t / 8) for t in (1, 2, 4, 5, 32, 64, 96, 128, 160)}
+    alone = loaded(draft_ms=10, passes={t: curve[t] for t in (1, 2, 4, 5)}, sessions=1, alpha=0.8)
+    assert Speculation("adaptive", 4, alone).choose(remaining=100) == 4
+    crowded = loaded(draft_ms=10, passes=curve, sessions=32, alpha=0.8)
+    assert Speculation("adaptive", 4, crowded).choose(remaining=100) == 0
+    # ...and rises again when the load drops.
+    crowded.batch_sessions.value = 1.0
+    assert Speculation("adaptive", 4, crowded).choose(remaining=100) == 4
+
+
+def test_a_flat_curve_keeps_speculating_under_load() -> None:
+    # A GPU: a pass of 160 tokens costs what a pass of 32 does.
+    costs = loaded(draft_ms=5, passes={t: 100.0 for t in (32, 64, 96, 128, 160)}, sessions=32, alpha=0.8)
+    assert Speculation("adaptive", 4, costs).choose(remaining=100) == 4
+
+
+def test_a_step_reports_the_pass_that_served_it_not_its_wait() -> None:
+    from orchestrator.domain import PassLoad
+
+    costs = CostModel()
+    costs.observe(0, 0, 0.0, 900.0, 950.0, 1, PassLoad(sessions=6, tokens=6, pass_ms=300.0, queue_depth=5))
+    assert costs.verify(6) == 300.0 and costs.verify(1) is None
+    assert costs.overhead_ms.value == 650.0  # the wait for the shared pass is overhead
+    assert costs.sessions_per_pass() == 6
