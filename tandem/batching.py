@@ -36,7 +36,7 @@ import torch
 from transformers import DynamicCache
 
 from tandem import models
-from tandem.kv import KVSession, Segment
+from tandem.kv import KVSession, Segment, SessionTable
 
 log = logging.getLogger(__name__)
 
@@ -194,10 +194,12 @@ class StepScheduler:
     """
 
     def __init__(self, max_sessions: int, max_tokens: int,
-                 on_batch: Callable[[BatchStats], None] = lambda stats: None) -> None:
+                 on_batch: Callable[[BatchStats], None] = lambda stats: None,
+                 sessions: SessionTable | None = None) -> None:
         self.max_sessions = max_sessions
         self.max_tokens = max_tokens
         self.on_batch = on_batch
+        self.sessions = sessions  # protects a running pass's session from eviction
         self._queue: deque[_Queued] = deque()
         self._ready = threading.Condition()
         self._model: models.CausalLM | None = None
@@ -245,8 +247,16 @@ class StepScheduler:
     def _run(self) -> None:
         assert self._model is not None
         while True:
-            batch = self._take()
-            live = [q for q in batch if not q.future.cancelled()]
+            live = []
+            for q in self._take():
+                if q.future.cancelled():
+                    continue
+                try:
+                    if self.sessions is not None:
+                        self.sessions.start_pass(q.p.session)
+                    live.append(q)
+                except Exception as exc:  # noqa: BLE001 - evicted while queued: NOT_FOUND
+                    q.loop.call_soon_threadsafe(_settle, q.future, exc)
             if not live:
                 continue
             started = time.perf_counter()
@@ -261,6 +271,8 @@ class StepScheduler:
                                (time.perf_counter() - started) * 1000.0)
             self.on_batch(stats)
             for q, output in zip(live, outputs, strict=True):
+                if self.sessions is not None:
+                    self.sessions.end_pass(q.p.session)
                 q.p.session.last_pass = stats  # read by the step once its future resolves
                 q.loop.call_soon_threadsafe(_settle, q.future, output)
 

@@ -35,6 +35,10 @@ class ResourceExhausted(TandemError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+class BudgetHeld(ResourceExhausted):
+    """The KV budget is held by forward passes running now: room frees when they end."""
+
+
 class DeadlineExceeded(TandemError):
     """The caller's deadline passed before the request could finish."""
 

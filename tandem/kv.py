@@ -8,16 +8,20 @@ back to it (rollback), then the step's new tokens are appended.
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from transformers import DynamicCache
 
-from tandem.errors import CacheMismatch, InvalidRequest, ResourceExhausted, SessionEvicted
+from tandem.errors import (
+    BudgetHeld,
+    CacheMismatch,
+    InvalidRequest,
+    ResourceExhausted,
+    SessionEvicted,
+)
 from tandem.models import CausalLM
 
 
@@ -67,6 +71,7 @@ class KVSession:
     # The last forward pass that served this session (a batching.BatchStats), for its reply.
     last_pass: Any = None
     busy: bool = False
+    in_step: bool = False  # a step of it is under way (between its passes, it may be evicted)
     evicted: bool = False
 
     @property
@@ -164,8 +169,8 @@ class SessionTable:
 
     Before a step, `reserve` claims what the session will hold after it. When the claims
     exceed the budget, other sessions' caches are evicted, least recently used first, unless
-    their step is running on the forward worker (`running`; a step still queued is fair game:
-    it will find its cache gone). An evicted session's next step gets NOT_FOUND and the
+    a step of theirs is under way (`in_step`, or a pass running: `start_pass`); when only
+    those hold the room, the step waits for them (BudgetHeld). An evicted session's next step gets NOT_FOUND and the
     orchestrator rebuilds it from its history. A step that cannot fit even so gets
     RESOURCE_EXHAUSTED, never an out-of-memory kill. Eviction and the start of a step take one
     lock, since steps run on the worker thread and reservations on the event loop.
@@ -220,11 +225,16 @@ class SessionTable:
         with self._lock:
             others = [s for s in self._sessions.values() if s is not session]
             claimed = max(tokens, session.length) + sum(map(claim, others))
-            idle = sorted((s for s in others if not s.busy and claim(s)), key=lambda s: s.last_used)
+            # Only sessions between steps are evicted, least recently used first: evicting one
+            # in the middle of its step would throw its work away, and under pressure sessions
+            # would evict each other's steps forever. Room held by steps under way frees when
+            # they end (BudgetHeld: the caller waits for it).
+            idle = sorted((s for s in others if not s.busy and not s.in_step and claim(s)),
+                          key=lambda s: s.last_used)
             if claimed - sum(map(claim, idle)) > budget:
-                raise ResourceExhausted(
-                    f"the replica's KV budget ({budget} tokens, --kv-budget-tokens) is held by the "
-                    "step running now; retry, or add replicas")
+                raise BudgetHeld(
+                    f"the replica's KV budget ({budget} tokens, --kv-budget-tokens) is held by "
+                    "other sessions' steps under way; retry, or add replicas")
             session.reserved = tokens
             for victim in idle:
                 if claimed <= budget:
@@ -233,15 +243,15 @@ class SessionTable:
                 victim.evict()
                 victim.reserved = 0
 
-    @contextlib.contextmanager
-    def running(self, session: KVSession) -> Iterator[None]:
-        """Around a step on the forward worker: its session cannot be evicted meanwhile."""
+    def start_pass(self, session: KVSession) -> None:
+        """Before a forward pass of `session` (on the forward worker): it cannot be evicted
+        until `end_pass`. Raises SessionEvicted if it already was (a queued pass is fair game)."""
         with self._lock:
+            session.check_alive()
             session.busy = True
-        try:
-            yield
-        finally:
-            session.busy = False
+
+    def end_pass(self, session: KVSession) -> None:
+        session.busy = False
 
     def settle(self, session: KVSession) -> None:
         """After a step: the session holds what its cache holds."""

@@ -9,6 +9,7 @@ ends, however it ends.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import signal
@@ -21,7 +22,7 @@ import torch
 
 from tandem import batching, models, parallel
 from tandem.config import option
-from tandem.errors import InvalidRequest, Unavailable
+from tandem.errors import BudgetHeld, InvalidRequest, Unavailable
 from tandem.kv import KVSession, SessionTable
 from tandem.metrics import ReplicaMetrics
 from tandem.sampling import SamplingParams, validate
@@ -31,6 +32,8 @@ from tandem.v1 import common_pb2
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")
+# How long a step waits for room in the KV budget held by running passes before RESOURCE_EXHAUSTED.
+BUDGET_WAIT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -108,7 +111,7 @@ class ModelHost:
         self.metrics = ReplicaMetrics.for_model(config.model, config.max_sessions)
         self.scheduler = batching.StepScheduler(
             config.max_batch_sessions, config.max_batch_tokens,
-            lambda stats: self.metrics.forward_pass(stats.sessions, stats.tokens))
+            lambda stats: self.metrics.forward_pass(stats.sessions, stats.tokens), self.sessions)
 
     def _load_model(self) -> tuple[models.CausalLM, str, parallel.Group | None]:
         """This rank's model (its shard, in a tensor-parallel group), its dtype, and its group."""
@@ -199,15 +202,25 @@ class ModelHost:
         them with other sessions' passes. `tokens` is what the session may hold during the
         step (its cache position, new tokens, and drafted or scored tokens): the KV budget
         is reserved for it first, so call this only once the request is validated (a bad
-        request never costs another session its cache). The session cannot be evicted
-        until the step ends.
+        request never costs another session its cache). The session can be evicted between
+        its passes (another step's reservation), never during one: its next pass then fails
+        NOT_FOUND and the orchestrator rebuilds it.
         """
-        self.sessions.reserve(session, tokens)
         started = time.perf_counter()
+        while True:
+            try:
+                self.sessions.reserve(session, tokens)
+                break
+            except BudgetHeld:
+                # Sessions whose passes run now hold the room; it frees when the pass ends.
+                if time.perf_counter() - started > BUDGET_WAIT_S:
+                    raise
+                await asyncio.sleep(0.005)
+        session.in_step = True
         try:
-            with self.sessions.running(session):
-                result = await fn(self.scheduler, *args)
+            result = await fn(self.scheduler, *args)
         finally:
+            session.in_step = False
             self.sessions.settle(session)
         return result, (time.perf_counter() - started) * 1000.0
 

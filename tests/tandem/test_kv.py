@@ -95,16 +95,20 @@ def test_budget_evicts_idle_sessions_least_recently_used_first(model) -> None:  
     assert b.length == 0 and table.cached_tokens == 10
 
 
-def test_a_session_whose_step_is_running_is_never_evicted(model) -> None:  # type: ignore[no-untyped-def]
-    from tandem.errors import ResourceExhausted
+def test_a_session_whose_pass_is_running_is_never_evicted(model) -> None:  # type: ignore[no-untyped-def]
+    from tandem.errors import BudgetHeld, SessionEvicted
 
     table, (a, b) = _table_with(model, 15, 10, 5)
     _, c = table.open("c", vocab_size=40)
-    with table.running(a), pytest.raises(ResourceExhausted, match="held by the step running now"):
-        table.reserve(c, 10)  # evicting b (idle) would not make room while a runs
+    table.start_pass(a)
+    with pytest.raises(BudgetHeld, match="held by other sessions' steps under way"):
+        table.reserve(c, 10)  # evicting b (idle) would not make room while a's pass runs
     assert not a.evicted and not b.evicted  # so nothing is evicted for a refused step
-    table.reserve(c, 10)  # a's step is over: now a can go (least recently used), b need not
+    table.end_pass(a)
+    table.reserve(c, 10)  # a's pass is over: now a can go (least recently used), b need not
     assert a.evicted and not b.evicted
+    with pytest.raises(SessionEvicted):  # and a pass of a queued before its eviction is refused
+        table.start_pass(a)
 
 
 def test_an_evicted_session_claims_no_room(model) -> None:  # type: ignore[no-untyped-def]
@@ -142,3 +146,24 @@ def test_a_queued_first_step_gives_its_reservation_back(model) -> None:  # type:
     _, c = table.open("c", vocab_size=40)
     table.reserve(c, 20)  # 45 > 30: the least recently used (a), then the queued one, go
     assert a.evicted and fresh.evicted and not c.evicted
+
+
+def test_a_session_in_the_middle_of_its_step_is_not_evicted_the_step_waits(model) -> None:  # type: ignore[no-untyped-def]
+    """Found with batching: drafts evicted between the passes of their own step, again and
+    again, until the orchestrator gave the draft up. Sessions between steps go; room held by
+    steps under way is waited for (BudgetHeld), never taken."""
+    from tandem.errors import BudgetHeld
+
+    table, (a, b, c) = _table_with(model, 30, 10, 10, 10)
+    a.in_step = b.in_step = True  # between passes of their steps
+    _, d = table.open("d", vocab_size=40)
+    table.reserve(d, 10)  # c is between steps: it goes, though a is older
+    d.in_step = True
+    assert (a.evicted, b.evicted, c.evicted) == (False, False, True)
+    _, e = table.open("e", vocab_size=40)
+    with pytest.raises(BudgetHeld):
+        table.reserve(e, 10)  # only steps under way hold the room
+    assert not a.evicted and not b.evicted
+    a.in_step = False
+    table.reserve(e, 10)  # a's step ended: now it can go
+    assert a.evicted and not b.evicted
