@@ -106,8 +106,14 @@ def single(model: models.CausalLM, p: Pass) -> PassOutput:
 
 
 @torch.inference_mode()
-def batched(model: models.CausalLM, passes: list[Pass], window: int | None) -> list[PassOutput]:
-    """Several sessions' passes as one forward (see the module docstring)."""
+def batched(model: models.CausalLM, passes: list[Pass], window: int | None,
+            buckets: tuple[int, ...] = ()) -> list[PassOutput]:
+    """Several sessions' passes as one forward (see the module docstring).
+
+    With `buckets`, the row is padded up to the smallest bucket that holds it, so that a
+    GPU sees a few shapes only (CUDA graphs are captured per shape): each padding token
+    sees only itself, writes to a scratch cache, and no logits are kept for it.
+    """
     embeddings = model.get_input_embeddings().weight
     device, dtype = embeddings.device, embeddings.dtype
     ids: list[int] = []
@@ -132,6 +138,12 @@ def batched(model: models.CausalLM, passes: list[Pass], window: int | None) -> l
         blocks.append(allowed)
         parts.append((p.session.cache, n + t))
         cached.append(c)
+    pad = next((b for b in sorted(buckets) if b >= len(ids)), len(ids)) - len(ids)
+    if pad:
+        ids.extend([0] * pad)
+        positions.extend([0] * pad)
+        blocks.append(torch.eye(pad, dtype=torch.bool))
+        parts.append((DynamicCache(), pad))
     allowed = torch.block_diag(*blocks)  # type: ignore[no-untyped-call]  # [T, S]
     mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
     with_hidden = any(p.with_hidden for p in passes)
@@ -195,9 +207,10 @@ class StepScheduler:
 
     def __init__(self, max_sessions: int, max_tokens: int,
                  on_batch: Callable[[BatchStats], None] = lambda stats: None,
-                 sessions: SessionTable | None = None) -> None:
+                 sessions: SessionTable | None = None, buckets: tuple[int, ...] = ()) -> None:
         self.max_sessions = max_sessions
         self.max_tokens = max_tokens
+        self.buckets = buckets  # pad every pass's tokens to one of these (GPU shapes)
         self.on_batch = on_batch
         self.sessions = sessions  # protects a running pass's session from eviction
         self._queue: deque[_Queued] = deque()
@@ -207,9 +220,9 @@ class StepScheduler:
 
     def start(self, model: models.CausalLM) -> None:
         refusal = batching_refusal(model)
-        if refusal is not None and self.max_sessions > 1:
-            log.warning("sessions of this model run one per forward pass: %s", refusal)
-            self.max_sessions = 1
+        if refusal is not None and (self.max_sessions > 1 or self.buckets):
+            log.warning("sessions of this model run one per forward pass, unpadded: %s", refusal)
+            self.max_sessions, self.buckets = 1, ()
         self._model, self._window = model, models.sliding_window(model)
         threading.Thread(target=self._run, name="forward", daemon=True).start()
 
@@ -261,10 +274,11 @@ class StepScheduler:
                 continue
             started = time.perf_counter()
             try:
-                if len(live) == 1:
+                if len(live) == 1 and not self.buckets:
                     outputs: list[PassOutput | BaseException] = [single(self._model, live[0].p)]
                 else:
-                    outputs = list(batched(self._model, [q.p for q in live], self._window))
+                    outputs = list(batched(self._model, [q.p for q in live], self._window,
+                                           self.buckets))
             except BaseException as exc:  # noqa: BLE001 - handed to every waiting step
                 outputs = [exc] * len(live)
             stats = BatchStats(len(live), sum(q.p.num_tokens for q in live),
@@ -284,3 +298,19 @@ def _settle(future: asyncio.Future[PassOutput], output: PassOutput | BaseExcepti
         future.set_exception(output)
     else:
         future.set_result(output)
+
+
+def parse_buckets(spec: str, max_tokens: int, device: str) -> tuple[int, ...]:
+    """--batch-token-buckets: "auto" pads to powers of two up to max_tokens on CUDA, not on a
+    CPU (where a padded token is pure cost); "off"; or a comma-separated list."""
+    if spec == "off" or (spec == "auto" and not device.startswith("cuda")):
+        return ()
+    if spec == "auto":
+        return tuple(2 ** i for i in range(max_tokens.bit_length()) if 2 ** i <= max_tokens)
+    try:
+        buckets = tuple(sorted(int(b) for b in spec.split(",")))
+    except ValueError:
+        raise ValueError(f"--batch-token-buckets must be auto, off or sizes like 8,16,32, got {spec!r}") from None
+    if not buckets or buckets[0] < 1:
+        raise ValueError(f"--batch-token-buckets sizes must be positive, got {spec!r}")
+    return buckets

@@ -62,6 +62,14 @@ def _serve_model(args: argparse.Namespace, label: str) -> None:
             LookaheadConfig.parse(cfg.lookahead)
         except ValueError as exc:
             sys.exit(f"{label}: {exc}")
+    from tandem.batching import parse_buckets
+
+    try:
+        parse_buckets(cfg.batch_token_buckets, cfg.max_batch_tokens, cfg.device)
+    except ValueError as exc:
+        sys.exit(f"{label}: {exc}")
+    if cfg.max_batch_sessions < 1 or cfg.max_batch_tokens < 1:
+        sys.exit(f"{label}: --max-batch-sessions and --max-batch-tokens must be >= 1")
     top = _tensor_parallel(cfg, label)
     configure_logging(cfg.log_level)
     host = ModelHost(cfg, top)

@@ -55,6 +55,10 @@ class ModelServiceConfig(ServerSecurityConfig):
                                      "one session per pass, the unbatched baseline)")
     max_batch_tokens: int = option(512, "most tokens in one forward pass over its sessions (a "
                                    "longer single step, such as a prefill, still runs alone)")
+    batch_token_buckets: str = option("auto", "pad each pass's tokens up to one of these sizes, so "
+                                      "a GPU sees few shapes (CUDA graphs): auto (powers of two up "
+                                      "to --max-batch-tokens on CUDA, none on a CPU), off, or "
+                                      "sizes like 8,16,32")
     tensor_parallel_size: int = option(1, "shard the model over N ranks with torch.distributed "
                                        "(gloo on CPU, NCCL on CUDA, one GPU per rank); rank 0 "
                                        "serves. Without --tp-rank (or torchrun's RANK), rank 0 "
@@ -111,7 +115,8 @@ class ModelHost:
         self.metrics = ReplicaMetrics.for_model(config.model, config.max_sessions)
         self.scheduler = batching.StepScheduler(
             config.max_batch_sessions, config.max_batch_tokens,
-            lambda stats: self.metrics.forward_pass(stats.sessions, stats.tokens), self.sessions)
+            lambda stats: self.metrics.forward_pass(stats.sessions, stats.tokens), self.sessions,
+            batching.parse_buckets(config.batch_token_buckets, config.max_batch_tokens, config.device))
 
     def _load_model(self) -> tuple[models.CausalLM, str, parallel.Group | None]:
         """This rank's model (its shard, in a tensor-parallel group), its dtype, and its group."""

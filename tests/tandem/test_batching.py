@@ -166,3 +166,31 @@ def test_a_failed_pass_fails_only_its_steps_and_the_scheduler_goes_on() -> None:
         assert out.logits.shape == (1, VOCAB)
 
     asyncio.run(run())
+
+
+def test_padding_to_a_bucket_changes_no_session_s_logits() -> None:
+    model = llama()
+    plain = [KVSession(f"p{i}", VOCAB) for i in range(3)]
+    padded = [KVSession(f"q{i}", VOCAB) for i in range(3)]
+    for step in range(3):
+        new = [(3 + step, 4), (5,), (6 + step, 7, 8)]  # 6 tokens: padded to 16
+        outs = [batching.batched(model, [Pass(s, s.length, n, len(n)) for s, n in zip(group, new, strict=True)],
+                                 None, buckets)
+                for group, buckets in ((plain, ()), (padded, (4, 16, 64)))]
+        for a, b in zip(*outs, strict=True):
+            assert torch.allclose(a.logits, b.logits, atol=TOLERANCE)
+    assert [s.length for s in padded] == [s.length for s in plain] == [6, 3, 9]
+
+
+@pytest.mark.parametrize("spec, device, expected", [
+    ("auto", "cpu", ()), ("auto", "cuda:0", (1, 2, 4, 8, 16, 32, 64)), ("off", "cuda", ()),
+    ("32,8,16", "cpu", (8, 16, 32)),
+])
+def test_bucket_flags(spec: str, device: str, expected: tuple[int, ...]) -> None:
+    assert batching.parse_buckets(spec, 64, device) == expected
+
+
+@pytest.mark.parametrize("spec", ["8,x", "0,8", ""])
+def test_bad_bucket_flags_are_refused(spec: str) -> None:
+    with pytest.raises(ValueError, match="--batch-token-buckets"):
+        batching.parse_buckets(spec, 64, "cpu")
