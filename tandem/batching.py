@@ -36,7 +36,7 @@ import torch
 from transformers import DynamicCache
 
 from tandem import models
-from tandem.kv import KVSession, Segment, SessionTable
+from tandem.kv import KVSession, Segment, SessionTable, tree_segment
 
 log = logging.getLogger(__name__)
 
@@ -171,12 +171,30 @@ def direct(model: models.CausalLM) -> Forward:
 
 
 def batching_refusal(model: models.CausalLM) -> str | None:
-    """Why this model's sessions cannot share a pass (None: they can)."""
+    """Why this model's sessions cannot share a pass (None: they can).
+
+    Beyond what its config says, one probe: two short sessions in one batched pass must get
+    the logits each gets alone (to float rounding), so an architecture that ignores the
+    hand-built mask or positions is found at start-up, not in someone's output.
+    """
     config = model.config.get_text_config()
     layer_types = set(getattr(config, "layer_types", None) or ())
     if len(layer_types) > 1:
         return (f"its layers mix attention types ({', '.join(sorted(layer_types))}), and one "
                 "hand-built mask serves all layers")
+    vocab = models.logits_width(model)
+    a, b = KVSession("probe-a", vocab), KVSession("probe-b", vocab)
+    try:
+        batched(model, [Pass(a, 0, (1, 2, 3)), Pass(b, 0, (2, 1))], models.sliding_window(model))
+        together = batched(model, [Pass(a, 3, (2,), 1, tree_segment((1, 3), (-1, 0))),
+                                   Pass(b, 2, (3, 3), 2)], models.sliding_window(model))
+        alone = [single(model, Pass(KVSession("c", vocab), 0, (1, 2, 3, 2), 1, tree_segment((1, 3), (-1, 0)))),
+                 single(model, Pass(KVSession("d", vocab), 0, (2, 1, 3, 3), 2))]
+    except Exception as exc:  # noqa: BLE001 - any failure means: do not batch this model
+        return f"a batched probe pass failed ({type(exc).__name__}: {exc})"
+    for got, want in zip(together, alone, strict=True):
+        if not torch.allclose(got.logits, want.logits, atol=0.05 * (1.0 + float(want.logits.abs().max()))):
+            return "a batched probe pass did not reproduce the sessions' own logits"
     return None
 
 

@@ -194,3 +194,33 @@ def test_bucket_flags(spec: str, device: str, expected: tuple[int, ...]) -> None
 def test_bad_bucket_flags_are_refused(spec: str) -> None:
     with pytest.raises(ValueError, match="--batch-token-buckets"):
         batching.parse_buckets(spec, 64, "cpu")
+
+
+def test_a_model_that_batches_exactly_passes_the_start_up_probe() -> None:
+    assert batching.batching_refusal(llama()) is None
+    assert batching.batching_refusal(mistral()) is None
+
+
+def test_a_model_that_ignores_the_hand_built_mask_is_served_one_session_at_a_time() -> None:
+    class IgnoresMasks(torch.nn.Module):
+        """A model that drops the attention mask it is given (as an architecture might)."""
+
+        def __init__(self, inner: torch.nn.Module) -> None:
+            super().__init__()
+            self.inner, self.config = inner, inner.config
+
+        def forward(self, **kwargs):  # type: ignore[no-untyped-def]
+            kwargs.pop("attention_mask", None)
+            return self.inner(**kwargs)
+
+        def get_input_embeddings(self):  # type: ignore[no-untyped-def]
+            return self.inner.get_input_embeddings()
+
+        def get_output_embeddings(self):  # type: ignore[no-untyped-def]
+            return self.inner.get_output_embeddings()
+
+    broken = IgnoresMasks(llama())
+    assert batching.batching_refusal(broken) is not None
+    scheduler = StepScheduler(max_sessions=8, max_tokens=64)
+    scheduler.start(broken)
+    assert scheduler.max_sessions == 1
