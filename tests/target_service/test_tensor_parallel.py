@@ -111,9 +111,9 @@ def test_greedy_output_equals_the_target_alone(family: tuple[Path, Stack], k: in
 
 
 def test_evicted_sessions_are_rebuilt_on_every_rank(tiny_draft: Path, tiny_target: Path) -> None:
-    # Four concurrent sessions of ~50 tokens against a 160-token budget:
+    # Four concurrent sessions of ~50 tokens against a 120-token budget:
     # rank 0 evicts caches, and the followers must drop and rebuild their mirrors with it.
-    stack = start_stack(str(tiny_draft), str(tiny_target), target_args=[*TP, "--kv-budget-tokens", "160"])
+    stack = start_stack(str(tiny_draft), str(tiny_target), target_args=[*TP, "--kv-budget-tokens", "120"])
     try:
         prompts = [prompt_ids(p) for p in PROMPTS]
         with stack.client() as client, ThreadPoolExecutor(max_workers=4) as pool:
