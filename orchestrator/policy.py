@@ -16,7 +16,8 @@ replicas report with every step (the pass that served it, its sessions and token
 passes are shared by every session that is ready). On a GPU v is nearly flat up to
 hundreds of tokens (memory-bound); on a CPU it is not; under load every pass holds N
 sessions. So a step of k drafted tokens is costed as one pass of N * (k + 1) tokens, the
-fleet's view: if every session in the pass drafts k, that is what the pass holds. While v
+fleet's view: if every session in the pass drafts k, that is what the pass holds; and a
+step that queues behind Q others waits through Q / N more such passes. While v
 is flat, speculation is nearly free and k stays high; as load makes the target
 compute-bound (v grows with T), the extra tokens crowd out other sessions' real tokens
 and k falls towards 0; it rises again as load drops. A size not yet measured is assumed
@@ -89,8 +90,10 @@ class CostModel:
     verify_ms: dict[int, Ema] = field(default_factory=dict)  # v(T): a target pass by its tokens T
     overhead_ms: Ema = field(default_factory=Ema)  # per step, outside both forwards
     alpha: Acceptance = field(default_factory=Acceptance)
-    # Sessions per target pass (1 until a replica reports sharing); shared like verify_ms.
+    # Sessions per target pass (1 until a replica reports sharing), and passes queued behind
+    # one at the replica; shared like verify_ms.
     batch_sessions: Ema = field(default_factory=lambda: Ema(weight=0.2))
+    queue_depth: Ema = field(default_factory=lambda: Ema(weight=0.2))
 
     def verify(self, tokens: int) -> float | None:
         """v(tokens), or the nearest smaller measured pass (optimism); None: nothing that small."""
@@ -103,11 +106,16 @@ class CostModel:
     def sessions_per_pass(self) -> int:
         return max(1, round(self.batch_sessions.value or 1.0))
 
+    def passes_per_step(self) -> float:
+        """Target passes a step waits through: its own, and those of the sessions queued ahead
+        of it, N to a pass. They hold everyone's blocks, so they too grow with k."""
+        return 1.0 + (self.queue_depth.value or 0.0) / self.sessions_per_pass()
+
     def for_proposer(self) -> CostModel:
         """A cost model for another proposer: its own draft cost and acceptance, but this
         deployment's target, so the same verify, load and overhead measurements."""
         return CostModel(verify_ms=self.verify_ms, overhead_ms=self.overhead_ms,
-                         batch_sessions=self.batch_sessions)
+                         batch_sessions=self.batch_sessions, queue_depth=self.queue_depth)
 
     def observe(self, k: int, accepted: int, draft_ms: float, verify_ms: float, step_ms: float,
                 verify_tokens: int, load: PassLoad | None = None) -> None:
@@ -117,12 +125,14 @@ class CostModel:
         if k > 0:
             self.draft_ms_per_token.add(draft_ms / k)
             self.alpha.add(accepted, tested_tokens(k, accepted))
-        sessions, tokens, pass_ms = (load.sessions, load.tokens, load.pass_ms) if load is not None \
-            else (1, verify_tokens, verify_ms)
+        sessions, tokens, pass_ms, queued = (load.sessions, load.tokens, load.pass_ms, load.queue_depth) \
+            if load is not None else (1, verify_tokens, verify_ms, 0)
         self.verify_ms.setdefault(tokens, Ema()).add(pass_ms)
         self.batch_sessions.add(sessions)
-        # The wait for a shared pass is overhead: it does not grow with this step's k.
-        self.overhead_ms.add(max(0.0, step_ms - draft_ms - pass_ms))
+        self.queue_depth.add(queued)
+        # verify_ms is the step's time at the replica, its wait for passes included: the wait
+        # is costed through passes_per_step (it grows with k), not as overhead.
+        self.overhead_ms.add(max(0.0, step_ms - draft_ms - verify_ms))
 
 
 @dataclass
@@ -150,14 +160,14 @@ class Speculation:
         t_draft = self.costs.draft_ms_per_token.value
         if t_draft is None:
             return cap  # nothing measured yet: speculate, and learn
-        sessions = self.costs.sessions_per_pass()
+        sessions, passes = self.costs.sessions_per_pass(), self.costs.passes_per_step()
         t_one = self.costs.verify(sessions)
         if t_one is None:
             return 0  # only bigger passes were measured: learn what a plain step costs, once
         alpha, overhead = self.alpha(), self.costs.overhead_ms.value or 0.0
         best_k, best_rate = 0, 0.0
         for k in range(cap + 1):
-            cost = k * t_draft + (self.costs.verify(sessions * (k + 1)) or t_one) + overhead
+            cost = k * t_draft + passes * (self.costs.verify(sessions * (k + 1)) or t_one) + overhead
             rate = expected_tokens(alpha, k) / cost
             if rate > best_rate:
                 best_k, best_rate = k, rate

@@ -334,6 +334,9 @@ def follow(model: Any, group: Group, device: torch.device | str) -> None:
         for use in call.caches:
             cache = caches.get(use.key)
             held = -1 if cache is None else int(cache.get_seq_length())
+            if cache is None and use.length > 0:
+                raise ParallelError(f"rank {group.top.rank}: no mirror of cache {use.key}, which "
+                                    f"held {use.length} tokens on rank 0")
             if cache is None or use.length == 0:
                 cache = caches[use.key] = DynamicCache()
             elif held > use.length:

@@ -146,7 +146,19 @@ def test_a_step_reports_the_pass_that_served_it_not_its_wait() -> None:
     from orchestrator.domain import PassLoad
 
     costs = CostModel()
-    costs.observe(0, 0, 0.0, 900.0, 950.0, 1, PassLoad(sessions=6, tokens=6, pass_ms=300.0, queue_depth=5))
+    costs.observe(0, 0, 0.0, 900.0, 950.0, 1, PassLoad(sessions=6, tokens=6, pass_ms=300.0, queue_depth=12))
     assert costs.verify(6) == 300.0 and costs.verify(1) is None
-    assert costs.overhead_ms.value == 650.0  # the wait for the shared pass is overhead
-    assert costs.sessions_per_pass() == 6
+    assert costs.overhead_ms.value == 50.0  # the wait at the replica is not overhead...
+    assert costs.sessions_per_pass() == 6 and costs.passes_per_step() == 3.0  # ...but passes
+
+
+def test_a_long_queue_does_not_make_speculation_look_cheap() -> None:
+    """Found in review: with the wait for shared passes filed as overhead (which no k
+    changes), a saturated queue made every k look alike and the largest win."""
+    from orchestrator.domain import PassLoad
+
+    costs = loaded(draft_ms=1, passes={t: 1.0 * t for t in (16, 32, 48, 64, 80)}, sessions=16, alpha=0.5)
+    assert Speculation("adaptive", 4, costs).choose(remaining=100) == 0
+    for _ in range(30):  # a step now waits behind 200 ms of other sessions' passes
+        costs.observe(0, 0, 0.0, 216.0, 216.0, 1, PassLoad(16, 16, 16.0, queue_depth=200))
+    assert Speculation("adaptive", 4, costs).choose(remaining=100) == 0

@@ -224,3 +224,26 @@ def test_a_model_that_ignores_the_hand_built_mask_is_served_one_session_at_a_tim
     scheduler = StepScheduler(max_sessions=8, max_tokens=64)
     scheduler.start(broken)
     assert scheduler.max_sessions == 1
+
+
+def test_a_shared_pass_that_fails_costs_only_the_bad_step() -> None:
+    """Found in review: one session's failure in a shared pass failed every session in it."""
+    model = llama()
+    scheduler = StepScheduler(max_sessions=8, max_tokens=64)
+    scheduler.start(model)
+    vocab_rows = model.get_input_embeddings().weight.shape[0]
+
+    async def run() -> None:
+        good = [KVSession(f"g{i}", VOCAB) for i in range(3)]
+        bad = KVSession("bad", VOCAB)
+        results = await asyncio.gather(*(scheduler(Pass(s, 0, (3, 4, 5))) for s in good),
+                                       scheduler(Pass(bad, 0, (3, vocab_rows + 7))),  # no such row
+                                       return_exceptions=True)
+        assert all(isinstance(r, batching.PassOutput) for r in results[:3])
+        assert isinstance(results[3], Exception)
+        for s, r in zip(good, results[:3], strict=True):
+            assert isinstance(r, batching.PassOutput)
+            alone = batching.single(model, Pass(KVSession("a", VOCAB), 0, (3, 4, 5)))
+            assert torch.allclose(r.logits, alone.logits, atol=TOLERANCE) and s.length == 3
+
+    asyncio.run(run())
