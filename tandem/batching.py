@@ -238,9 +238,10 @@ class StepScheduler:
         self.max_sessions = max_sessions
         self.max_tokens = max_tokens
         self.buckets = buckets  # pad every pass's tokens to one of these (GPU shapes)
-        self.max_batch_wait_s = MAX_BATCH_WAIT_S
+        self.max_batch_wait_s, self.batch_wait_share = MAX_BATCH_WAIT_S, BATCH_WAIT_SHARE
         self.batch_wait_s = 0.0  # how long a tick waits for recent sessions (see _take)
-        self._recent: set[int] = set()  # sessions of the last pass
+        self._last: set[int] = set()  # sessions of the last pass
+        self._recent: set[int] = set()  # sessions of the last two passes
         self.on_batch = on_batch
         self.sessions = sessions  # protects a running pass's session from eviction
         self._queue: deque[_Queued] = deque()
@@ -273,8 +274,8 @@ class StepScheduler:
         with self._ready:
             while not self._queue:
                 self._ready.wait()
-            # Sessions served by the last passes are usually a round trip away from their next
-            # pass. Without a short wait for them, two sessions can fall into lockstep, each
+            # Sessions served by the last two passes are usually a round trip away from their
+            # next pass. Without a short wait for them, two sessions can fall into lockstep, each
             # arriving while the other's pass runs, and never share one. So wait for the
             # recent sessions up to a small share of a pass (cost-free where passes are flat).
             deadline = time.perf_counter() + self.batch_wait_s
@@ -341,8 +342,8 @@ class StepScheduler:
             outputs = self._forward(live)
             stats = BatchStats(len(live), sum(q.p.num_tokens for q in live),
                                (time.perf_counter() - started) * 1000.0)
-            self._recent = {id(q.p.session) for q in live}
-            self.batch_wait_s = min(self.max_batch_wait_s, BATCH_WAIT_SHARE * stats.ms / 1000.0)
+            self._recent, self._last = self._last | (ids := {id(q.p.session) for q in live}), ids
+            self.batch_wait_s = min(self.max_batch_wait_s, self.batch_wait_share * stats.ms / 1000.0)
             try:
                 self.on_batch(stats)
             except Exception:

@@ -245,7 +245,7 @@ class SessionTable:
 
     def start_pass(self, session: KVSession) -> None:
         """Before a forward pass of `session` (on the forward worker): it cannot be evicted
-        until `end_pass`. Raises SessionEvicted if it already was (a queued pass is fair game)."""
+        until `end_pass`. Raises SessionEvicted if it already was (it was between steps then)."""
         with self._lock:
             session.check_alive()
             session.busy = True

@@ -247,3 +247,26 @@ def test_a_shared_pass_that_fails_costs_only_the_bad_step() -> None:
             assert torch.allclose(r.logits, alone.logits, atol=TOLERANCE) and s.length == 3
 
     asyncio.run(run())
+
+
+def test_two_sessions_do_not_fall_into_lockstep() -> None:
+    """Found by the load sweep: two clients never shared a pass, each arriving while the
+    other's pass ran. A tick now waits briefly for the last passes' sessions (here up to
+    20x a pass, so the test does not hang on this machine's speed)."""
+    model = llama()
+    seen: list[batching.BatchStats] = []
+    scheduler = StepScheduler(max_sessions=8, max_tokens=64, on_batch=seen.append)
+    scheduler.batch_wait_share, scheduler.max_batch_wait_s = 20.0, 0.05
+    scheduler.start(model)
+
+    async def decode(session: KVSession, delay: float) -> None:
+        await asyncio.sleep(delay)
+        await scheduler(Pass(session, 0, (3, 4, 5, 6, 7, 8, 9, 10)))
+        for token in range(30):
+            await scheduler(Pass(session, session.length, (3 + token % 20,)))
+
+    async def both() -> None:
+        await asyncio.gather(decode(KVSession("a", VOCAB), 0.0), decode(KVSession("b", VOCAB), 0.0005))
+
+    asyncio.run(both())
+    assert sum(s.sessions == 2 for s in seen) > 20, [s.sessions for s in seen]
