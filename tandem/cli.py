@@ -63,6 +63,14 @@ def _serve_model(args: argparse.Namespace, label: str) -> None:
         except ValueError as exc:
             sys.exit(f"{label}: {exc}")
     from tandem.batching import parse_buckets
+    from tandem.errors import InvalidRequest
+    from tandem.model_service import parse_cpus
+
+    if cfg.cpu_affinity:
+        try:
+            os.sched_setaffinity(0, parse_cpus(cfg.cpu_affinity))  # before the model loads
+        except InvalidRequest as exc:
+            sys.exit(f"{label}: {exc}")
 
     try:
         parse_buckets(cfg.batch_token_buckets, cfg.max_batch_tokens, cfg.device)

@@ -51,6 +51,9 @@ class ModelServiceConfig(ServerSecurityConfig):
     quantize: str = option("", "draft only: int8-dynamic quantizes the Linear layers (CPU, float32); "
                            "changes acceptance, never the output")
     threads: int = option(0, "torch intra-op threads (0: torch's default; per rank)")
+    cpu_affinity: str = option("", "pin the service to these CPUs, e.g. 0, 2-3 or 0,2-3 (empty: "
+                               "not pinned); with --threads, lets one machine emulate separate "
+                               "hardware for the draft and the target")
     max_batch_sessions: int = option(32, "most sessions whose steps share one forward pass (1: "
                                      "one session per pass, the unbatched baseline)")
     max_batch_tokens: int = option(512, "most tokens in one forward pass over its sessions (a "
@@ -286,3 +289,22 @@ class ModelServicer:
     ) -> common_pb2.GetModelInfoResponse:
         self.host.ready_model()
         return common_pb2.GetModelInfoResponse(info=self.host.info)
+
+
+def parse_cpus(spec: str) -> set[int]:
+    """--cpu-affinity: "0", "2-3" or "0,2-3" -> {0, 2, 3}; refused in one line otherwise."""
+    cpus: set[int] = set()
+    for part in spec.split(","):
+        first, _, last = part.strip().partition("-")
+        try:
+            low, high = int(first), int(last or first)
+        except ValueError:
+            raise InvalidRequest(f"--cpu-affinity must list CPUs like 0, 2-3 or 0,2-3, got {spec!r}") from None
+        if low < 0 or high < low:
+            raise InvalidRequest(f"--cpu-affinity range {part!r} is empty or negative")
+        cpus.update(range(low, high + 1))
+    available = os.sched_getaffinity(0)
+    if not cpus <= available:
+        raise InvalidRequest(f"--cpu-affinity names CPUs {sorted(cpus - available)} that this process "
+                             f"cannot use (it may use {sorted(available)})")
+    return cpus
