@@ -36,7 +36,7 @@ import torch
 from transformers import DynamicCache
 
 from tandem import models
-from tandem.kv import KVSession, Segment, SessionTable, tree_segment
+from tandem.kv import KVSession, Segment, SessionTable, segment_layout, tree_segment
 
 log = logging.getLogger(__name__)
 
@@ -129,13 +129,7 @@ def batched(model: models.CausalLM, passes: list[Pass], window: int | None,
     for p in passes:
         p.session.rollback(p.cache_position)
         c, n, t = p.session.length, len(p.token_ids), len(p.segment.token_ids)
-        query_positions = [*range(c, c + n), *(c + n + o for o in p.segment.offsets)]
-        key_positions = torch.tensor([*range(c), *query_positions])
-        allowed = torch.zeros(n + t, c + n + t, dtype=torch.bool)
-        allowed[:, :c + n] = torch.ones(n + t, c + n, dtype=torch.bool).tril(c)
-        allowed[n:, c + n:] = p.segment.visible
-        if window is not None:  # a sliding window: keys less than `window` positions back
-            allowed &= (torch.tensor(query_positions)[:, None] - key_positions[None, :]) < window
+        allowed, query_positions = segment_layout(c, n, p.segment, window)
         rows.extend(len(ids) + r for r in range(n - p.logits_to_keep, n + t))
         ids.extend((*p.token_ids, *p.segment.token_ids))
         positions.extend(query_positions)

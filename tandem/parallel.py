@@ -268,13 +268,15 @@ class Lockstep:
                 return self.model(**kwargs, cache=cache) if cache is not None else self.model(**kwargs)
             except Exception as exc:
                 self._fail(exc)
-                raise Unavailable(f"a tensor-parallel rank failed ({exc}); this replica is "
-                                  "stopping, retry on another") from exc
+                raise self._refusal() from exc
 
     def _check(self) -> None:
         if self.failure is not None:
-            raise Unavailable(f"a tensor-parallel rank failed ({self.failure}); this replica is "
-                              "stopping, retry on another")
+            raise self._refusal()
+
+    def _refusal(self) -> Unavailable:
+        return Unavailable(f"a tensor-parallel rank failed ({self.failure}); this replica is "
+                           "stopping, retry on another")
 
     def _fail(self, exc: BaseException) -> None:
         if self.failure is None:

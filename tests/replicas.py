@@ -1,10 +1,12 @@
 """What the tests read off a stack's replicas: open sessions and cached tokens, polled back to
-a baseline with a deadline (sessions close just after a stream's last message)."""
+a baseline with a deadline (sessions close just after a stream's last message); and the
+processes behind them."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -56,3 +58,33 @@ def stream_with_fault(stack: Stack, fault: Callable[[], None], **kwargs: Any) ->
         except grpc.RpcError as exc:
             return tokens, exc
     raise AssertionError("the stream ended without a summary")
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting until {what}")
+        time.sleep(0.1)
+
+
+def children(pid: int) -> set[int]:
+    """Live (not zombie) processes whose parent is pid."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid and fields[0] != "Z":
+                found.add(int(entry.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Whether pid is a live process (not gone, not a zombie)."""
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

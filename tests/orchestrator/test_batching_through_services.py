@@ -9,13 +9,13 @@ cached tokens return to zero. The sampled law holds while other sessions share t
 from __future__ import annotations
 
 import itertools
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 from laws import ALPHA, T1, exact_law, p_value, rows, sample_cells, small_pair
+from replicas import GAUGES, wait_for_baseline
 from tiny import greedy_reference, random_prompts
 
 from tandem.launch import Process, Stack, start_stack
@@ -26,9 +26,12 @@ LENGTH = 24
 METRICS = ["--metrics-port", "0"]
 
 
-def mean_batch(replica: Process) -> float:
-    samples = replica.metrics()
-    return samples["tandem_batch_sessions_sum"] / samples["tandem_batch_sessions_count"]
+def mean_batch(replica: Process, before: dict[str, float] | None = None) -> float:
+    """Sessions per forward pass on a replica (since `before`, its earlier metrics)."""
+    now, before = replica.metrics(), before or {}
+    name = "tandem_batch_sessions"
+    return (now[f"{name}_sum"] - before.get(f"{name}_sum", 0.0)) / \
+        (now[f"{name}_count"] - before.get(f"{name}_count", 0.0))
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +59,7 @@ def test_sixteen_mixed_sessions_sharing_passes_each_equal_the_target_alone(
 
     with ThreadPoolExecutor(max_workers=16) as pool:
         together = list(pool.map(request, range(16)))
-    shared = {role: _mean_since(r, before[role]) for role, r in
+    shared = {role: mean_batch(r, before[role]) for role, r in
               (("draft", stack.drafts[0]), ("target", stack.targets[0]))}
     alone = [request(i) for i in range(16)]
     for i, prompt in enumerate(prompts):
@@ -67,25 +70,8 @@ def test_sixteen_mixed_sessions_sharing_passes_each_equal_the_target_alone(
     # requests drafts, so the draft shares less).
     assert shared["target"] > 1.5, shared
     assert shared["draft"] > 1.0, shared
-    for replica in (stack.drafts[0], stack.targets[0]):
-        _wait_for_zero(replica)
-
-
-def _mean_since(replica: Process, before: dict[str, float]) -> float:
-    now = replica.metrics()
-    name = "tandem_batch_sessions"
-    return (now[f"{name}_sum"] - before.get(f"{name}_sum", 0.0)) / \
-        (now[f"{name}_count"] - before.get(f"{name}_count", 0.0))
-
-
-def _wait_for_zero(replica: Process, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        samples = replica.metrics()
-        if samples.get("tandem_sessions_active", 0) == 0 and samples.get("tandem_kv_cached_tokens", 0) == 0:
-            return
-        assert time.monotonic() < deadline, f"sessions or cached tokens left on {replica.address}: {samples}"
-        time.sleep(0.1)
+    wait_for_baseline(stack, dict.fromkeys((f"{role} {gauge}" for role in ("draft", "target")
+                                            for gauge in GAUGES), 0.0))
 
 
 def test_sampled_law_holds_while_sessions_share_the_batch(tiny_dir: Path) -> None:

@@ -8,14 +8,13 @@ with a clear status after the tokens already committed, never a gap or a repeat.
 from __future__ import annotations
 
 import signal
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
 import pytest
-from replicas import FAULT_LENGTH, stream_with_fault
+from replicas import FAULT_LENGTH, stream_with_fault, wait_for
 from tiny import PROMPTS
 
 from tandem.launch import Process, Stack, spawn, start_stack, wait_serving
@@ -30,14 +29,6 @@ def respawn(process: Process, role: str, model: Path) -> Process:
     again = spawn([role, "--model", str(model), "--dtype", "float32", "--threads", "1"], port=port)
     wait_serving(again)
     return again
-
-
-def wait_for(condition: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting until {what}")
-        time.sleep(0.2)
 
 
 @pytest.fixture

@@ -105,28 +105,20 @@ def test_the_scheduler_batches_ready_passes_and_answers_each_its_own() -> None:
     scheduler = StepScheduler(max_sessions=8, max_tokens=64, on_batch=seen.append)
     scheduler.start(model)
 
-    async def decode(session: KVSession, prompt: list[int], steps: int) -> list[int]:
-        out = await scheduler(Pass(session, 0, tuple(prompt)))
-        tokens = [int(out.logits[-1].argmax())]
-        for _ in range(steps - 1):
-            out = await scheduler(Pass(session, session.length, (tokens[-1],)))
-            tokens.append(int(out.logits[-1].argmax()))
-        return tokens
-
     async def everyone() -> list[list[int]]:
-        return list(await asyncio.gather(*(decode(KVSession(f"s{i}", VOCAB), [3 + i, 4, 5 + i], 12)
-                                           for i in range(6))))
+        return list(await asyncio.gather(*(greedy(scheduler, [3 + i, 4, 5 + i], 12) for i in range(6))))
 
     together = asyncio.run(everyone())
     for i, tokens in enumerate(together):
-        alone = asyncio.run(decode_directly(model, [3 + i, 4, 5 + i], 12))
+        alone = asyncio.run(greedy(batching.direct(model), [3 + i, 4, 5 + i], 12))
         assert tokens == alone
     assert max(s.sessions for s in seen) > 1  # passes really shared a forward
     assert sum(s.sessions for s in seen) == 6 * 12
 
 
-async def decode_directly(model: torch.nn.Module, prompt: list[int], steps: int) -> list[int]:
-    forward, session = batching.direct(model), KVSession("alone", VOCAB)
+async def greedy(forward: batching.Forward, prompt: list[int], steps: int) -> list[int]:
+    """`steps` greedy tokens after `prompt`, on a session of its own, through `forward`."""
+    session = KVSession("greedy", VOCAB)
     out = await forward(Pass(session, 0, tuple(prompt)))
     tokens = [int(out.logits[-1].argmax())]
     for _ in range(steps - 1):

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from fakes import Output, stop
+from replicas import alive, children
 
 from tandem.launch import start_stack
 
@@ -31,41 +32,16 @@ def test_the_orchestrator_binds_the_host_asked_for_and_the_replicas_stay_local(t
         stack.stop()
 
 
-def _children(pid: int) -> set[int]:
-    """Live (not zombie) processes whose parent is pid."""
-    found = set()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid and fields[0] != "Z":
-                found.add(int(entry.name))
-    return found
-
-
-def _alive(pids: set[int]) -> set[int]:
-    alive = set()
-    for pid in pids:
-        try:
-            if (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
-                alive.add(pid)
-        except OSError:
-            pass
-    return alive
-
-
 def test_a_failed_start_stops_the_services_already_started(tiny_draft: Path, tiny_target: Path) -> None:
     import socket
 
-    before = _children(os.getpid())
+    before = children(os.getpid())
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         with pytest.raises(RuntimeError, match="orchestrator exited"):
             start_stack(str(tiny_draft), str(tiny_target), port=busy.getsockname()[1])
-    assert _children(os.getpid()) == before, "the draft and target were left running"
+    assert children(os.getpid()) == before, "the draft and target were left running"
 
 
 @contextlib.contextmanager
@@ -89,7 +65,7 @@ def _tandem_up(tiny_draft: Path, tiny_target: Path,
 
 def _wait_for_children(pid: int, count: int, timeout: float = 120.0) -> set[int]:
     deadline = time.monotonic() + timeout
-    while len(kids := _children(pid)) < count:
+    while len(kids := children(pid)) < count:
         assert time.monotonic() < deadline, f"{pid} started {len(kids)} of {count} services"
         time.sleep(0.05)
     return kids
@@ -102,17 +78,17 @@ def test_sigterm_while_tandem_up_starts_stops_every_service(tiny_draft: Path, ti
         output.wait_for("loading models")  # the replicas are spawned; the orchestrator waits for them
         kids = _wait_for_children(up.pid, 2)
         assert stop(up, timeout=60) != 0
-        assert not _alive(kids), "services outlived tandem up"
+        assert not any(map(alive, kids)), "services outlived tandem up"
 
 
 def test_tandem_up_exits_nonzero_when_a_service_dies(tiny_draft: Path, tiny_target: Path,
                                                      tmp_path: Path) -> None:
     with _tandem_up(tiny_draft, tiny_target, tmp_path) as (up, output):
         output.wait_for("Tandem is ready")
-        kids = _children(up.pid)
+        kids = children(up.pid)
         target = next(k for k in kids if b"target-service" in (Path("/proc") / str(k) / "cmdline").read_bytes())
         os.kill(target, signal.SIGKILL)
         assert up.wait(timeout=60) != 0, "a crashed stack must not look like a clean exit"
         output.closed.wait(timeout=10)
         assert "the target service exited" in output.text
-        assert not _alive(kids)
+        assert not any(map(alive, kids))

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -25,7 +25,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from laws import ALPHA, PARAMS_ID, T1, TRUNCATED, exact_law, p_value, rows, sample_cells, small_pair
-from replicas import FAULT_LENGTH, stream_with_fault
+from replicas import FAULT_LENGTH, alive, children, stream_with_fault, wait_for
 from tiny import PROMPTS, greedy_reference, make_tokenizer, noisy_copy, save_family
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
@@ -45,26 +45,9 @@ def prompt_ids(prompt: str) -> list[int]:
     return list(make_tokenizer().encode(prompt))
 
 
-def followers(process: Process) -> list[int]:
+def followers(process: Process) -> set[int]:
     """The ranks a local rank 0 started: its child processes."""
-    pid = process.proc.pid
-    with open(f"/proc/{pid}/task/{pid}/children") as children:
-        return [int(p) for p in children.read().split()]
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().split(") ")[1][0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def wait_for(condition: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting until {what}"
-        time.sleep(0.1)
+    return children(process.proc.pid)
 
 
 def health(address: str) -> int:
@@ -232,7 +215,7 @@ def test_health_stays_not_serving_until_every_rank_has_loaded(tiny_target: Path)
         follower = subprocess.Popen([sys.executable, "-m", "tandem.cli", "target-service", "--model",
                                      str(tiny_target), "--threads", "1", *ranked, "1"])
         wait_serving(leader, timeout=120)
-        assert followers(leader) == []  # nothing started locally: the launcher placed the ranks
+        assert not followers(leader)  # nothing started locally: the launcher placed the ranks
         assert leader.stop() == 0
         assert follower.wait(timeout=30) == 0
     finally:
@@ -264,8 +247,7 @@ def test_ranks_started_by_torchrun_form_one_replica(tiny_target: Path, reference
             assert list(reply.token_ids) == reference(PROMPTS[0], 20)
         finally:
             stack.stop()
-        with open(f"/proc/{agent.pid}/task/{agent.pid}/children") as children:
-            ranks = [int(p) for p in children.read().split()]
+        ranks = children(agent.pid)
         assert len(ranks) == 2
         agent.send_signal(signal.SIGTERM)
         agent.wait(timeout=60)
