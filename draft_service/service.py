@@ -1,20 +1,56 @@
-"""gRPC servicer for DraftService: proto to domain, a core call, domain to proto."""
+"""gRPC servicer for DraftService: proto to domain, a core call, domain to proto.
+
+After answering a step that asks for it (draft_ahead_tokens), a session drafts ahead on its
+own task while the target verifies: see draft_service/proposer.py. The next step stops that
+task before it starts, at once when its history left the guessed branch (a queued pass is
+skipped; a running one cannot be interrupted), or after the pass under way when it matches.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
 import grpc
 
-from draft_service.proposer import propose_block
+from draft_service.proposer import ProposedBlock, draft_ahead, propose_block
 from tandem.config import MAX_BLOCK_TOKENS, MAX_SUPPORT_SIZE
-from tandem.errors import InvalidRequest
-from tandem.model_service import ModelServicer, sampling_from, step_from
+from tandem.errors import InvalidRequest, TandemError
+from tandem.kv import KVSession
+from tandem.metrics import AHEAD_TOKENS
+from tandem.model_service import ModelServicer, Step, sampling_from, step_from
+from tandem.sampling import SamplingParams
 from tandem.server import handle_errors
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
+log = logging.getLogger(__name__)
+
 # Bounds on a step's request, so one request cannot monopolise the replica.
 MAX_SPECULATIVE_TOKENS = MAX_BLOCK_TOKENS
+
+
+@dataclass
+class Ahead:
+    """A session's drafting ahead: its task, the history it drafts towards, and its stop."""
+
+    task: asyncio.Task[int]
+    guess: list[int]
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def end(self, session: KVSession, history: list[int]) -> int:
+        """Stop it before the next step; `history` is that step's. Returns the tokens it drafted."""
+        self.stop.set()
+        if history != self.guess[:len(history)]:
+            self.task.cancel()  # off the branch: a queued pass is skipped
+        await asyncio.wait([self.task])
+        while session.pending:  # a pass that was already running finishes first
+            await asyncio.sleep(0.001)
+        session.ahead = False
+        if self.task.cancelled() or self.task.exception() is not None:
+            return 0
+        return self.task.result()
 
 
 class DraftService(ModelServicer, draft_pb2_grpc.DraftServiceServicer):
@@ -29,22 +65,69 @@ class DraftService(ModelServicer, draft_pb2_grpc.DraftServiceServicer):
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[draft_pb2.ProposeBlocksResponse]:
         self.host.ready_model()
-        async for session, request in self.host.session_stream(request_iterator):
-            step = step_from(request, session)
-            k = request.num_speculative_tokens
-            if k > MAX_SPECULATIVE_TOKENS:
-                raise InvalidRequest(f"num_speculative_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}], got {k}")
-            if not 1 <= request.max_support_size <= MAX_SUPPORT_SIZE:
-                raise InvalidRequest(
-                    f"max_support_size must be in [1, {MAX_SUPPORT_SIZE}], got {request.max_support_size}")
-            params = sampling_from(request.sampling)
-            block, ms = await self.host.run_step(
-                session, step.cache_position + len(step.new_token_ids) + k, propose_block, session,
-                step, k, params, request.max_support_size, request.seed)
-            yield draft_pb2.ProposeBlocksResponse(
-                token_ids=block.token_ids,
-                distributions=[common_pb2.SparseDistribution(token_ids=d.token_ids, probs=d.probs)
-                               for d in block.distributions],
-                cache_length=block.cache_length,
-                compute_ms=ms,
-            )
+        ahead: Ahead | None = None
+        session: KVSession | None = None
+        try:
+            async for session, request in self.host.session_stream(request_iterator):
+                if ahead is not None:
+                    drafted = await ahead.end(session, session.token_ids[:request.cache_position]
+                                              + list(request.new_token_ids))
+                    ahead = None
+                else:
+                    drafted = 0
+                session.tail_from = None  # what is left of a tail is this step's to use or cut
+                step = step_from(request, session)
+                k, depth = request.num_speculative_tokens, request.draft_ahead_tokens
+                for name, value in (("num_speculative_tokens", k), ("draft_ahead_tokens", depth)):
+                    if value > MAX_SPECULATIVE_TOKENS:
+                        raise InvalidRequest(f"{name} must be in [0, {MAX_SPECULATIVE_TOKENS}], got {value}")
+                if not 1 <= request.max_support_size <= MAX_SUPPORT_SIZE:
+                    raise InvalidRequest(
+                        f"max_support_size must be in [1, {MAX_SUPPORT_SIZE}], got {request.max_support_size}")
+                params = sampling_from(request.sampling)
+                block, ms = await self.host.run_step(
+                    session, step.cache_position + len(step.new_token_ids) + k, propose_block, session,
+                    step, k, params, request.max_support_size, request.seed)
+                if drafted:
+                    used = min(block.reused, drafted)
+                    AHEAD_TOKENS.labels(self.host.config.model, "used").inc(used)
+                    AHEAD_TOKENS.labels(self.host.config.model, "wasted").inc(drafted - used)
+                yield draft_pb2.ProposeBlocksResponse(
+                    token_ids=block.token_ids,
+                    distributions=[common_pb2.SparseDistribution(token_ids=d.token_ids, probs=d.probs)
+                                   for d in block.distributions],
+                    cache_length=block.cache_length,
+                    compute_ms=ms,
+                    prebuilt_tokens=block.reused,
+                )
+                if depth:
+                    ahead = self._start_ahead(session, step, block, depth, params,
+                                              request.max_support_size, request.seed)
+        finally:
+            if ahead is not None and session is not None:
+                ahead.task.cancel()
+                await ahead.end(session, [])
+
+    def _start_ahead(self, session: KVSession, step: Step, block: ProposedBlock, depth: int,
+                     params: SamplingParams, max_support_size: int, seed: int) -> Ahead | None:
+        """Draft the step after `block` on a task of its own, in free KV room only."""
+        history = session.token_ids[:step.cache_position] + step.new_token_ids + list(block.token_ids)
+        try:
+            # The history, the guessed bonus token, and depth drafted tokens (the last not fed).
+            self.host.sessions.reserve(session, len(history) + depth, evict=False)
+        except TandemError:
+            return None  # no free room: drafting ahead must never cost another session its cache
+        session.tail_from, session.ahead = block.cache_length, True
+        guess, stop = list(history), asyncio.Event()
+
+        async def run() -> int:
+            try:
+                return await draft_ahead(self.host.scheduler, session, guess, depth, params,
+                                         max_support_size, seed, stop)
+            except TandemError as exc:  # evicted, trimmed: the next step finds out, and says so
+                log.debug("session %s: drafting ahead stopped: %s", session.session_id, exc)
+                return 0
+            finally:
+                self.host.sessions.settle(session)
+
+        return Ahead(asyncio.get_running_loop().create_task(run()), guess, stop)

@@ -37,6 +37,9 @@ class OrchestratorConfig(ServerSecurityConfig):
                                      "and costs (falls to 0 when speculation does not pay); fixed: "
                                      "always k. A request that sets num_speculative_tokens gets fixed k")
     max_speculative_tokens: int = option(16, "largest k a request may ask for")
+    overlap: str = option("on", "on: the draft drafts the next block while the target verifies "
+                          "this one, guessing full acceptance (exact either way); off: draft and "
+                          "target take turns")
     max_support_size: int = option(8, "K: support of each draft distribution sent over the wire")
     proposer: str = option("", "default proposer: draft-model, prompt-lookup, lookahead, medusa or "
                            "none (empty: draft-model when draft replicas are configured, else none)")

@@ -84,6 +84,7 @@ class DraftBlock:
     draft_probs: tuple[float, ...]  # q_i(x_i)
     cache_length: int  # the draft replica's cache after proposing (0: no replica)
     compute_ms: float
+    prebuilt: int = -1  # tokens drafted ahead, before the step asked (-1: not drafting ahead)
 
 
 #: Nothing proposed: the target scores no draft, a plain target step (k=0).
@@ -153,6 +154,8 @@ class Step:
     draft_ms: float = 0.0  # the draft's compute time
     target_ms: float = 0.0  # the target's compute time
     wall_ms: float = 0.0  # the whole step, round trips included
+    draft_wait_ms: float = 0.0  # waiting for the drafted block (decode steps)
+    draft_hit: bool | None = None  # the whole block was drafted ahead (None: not drafting ahead)
 
 
 @dataclass(frozen=True)
@@ -169,6 +172,9 @@ class Usage:
     draft_ms: float = 0.0  # decode steps only
     target_ms: float = 0.0  # decode steps only
     prefill_ms: float = 0.0  # wall time of the first step
+    draft_wait_ms: float = 0.0  # decode steps' waits for the draft (the draft on the critical path)
+    draft_cache_hits: int = 0  # decode steps whose block was drafted ahead (overlap on)
+    draft_cache_misses: int = 0  # drafting decode steps whose block was not (overlap on)
 
     def fold(self, step: Step, kept: int) -> Usage:
         """This usage after `step`, of whose tokens the first `kept` were delivered (a stop
@@ -181,7 +187,10 @@ class Usage:
             target_forward_passes=self.target_forward_passes + 1,
             draft_ms=self.draft_ms + (0.0 if step.prefill else step.draft_ms),
             target_ms=self.target_ms + (0.0 if step.prefill else step.target_ms),
-            prefill_ms=self.prefill_ms + (step.wall_ms if step.prefill else 0.0))
+            prefill_ms=self.prefill_ms + (step.wall_ms if step.prefill else 0.0),
+            draft_wait_ms=self.draft_wait_ms + step.draft_wait_ms,
+            draft_cache_hits=self.draft_cache_hits + (step.draft_hit is True),
+            draft_cache_misses=self.draft_cache_misses + (step.draft_hit is False))
 
 
 @dataclass(frozen=True)

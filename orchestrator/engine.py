@@ -102,6 +102,8 @@ class Engine:
         self.target_info: ModelInfo | None = None
         self.drafts: ReplicaPool | None = None
         self.targets: ReplicaPool | None = None
+        if config.overlap not in ("on", "off"):
+            raise ValueError(f"--overlap must be on or off, got {config.overlap!r}")
         if config.speculation_policy not in POLICIES:
             raise ValueError(f"--speculation-policy must be one of {POLICIES}")
         if config.max_speculative_tokens > MAX_BLOCK_TOKENS:
@@ -340,7 +342,7 @@ class Engine:
         if drafts.ready:
             self._draftless = False
             return DraftModelProposer(DraftSession(drafts, session_id, deadline),
-                                      self.config.max_support_size)
+                                      self.config.max_support_size, self.config.overlap == "on")
         if not self._draftless:
             log.warning("no draft replica is ready: decoding with the target alone until one is")
             self._draftless = True
@@ -392,5 +394,8 @@ def _observe(step: Step, *, first: bool, started: float) -> None:
                          draft_s=0.0 if step.prefill else step.draft_ms / 1000.0,
                          verify_s=0.0 if step.prefill else step.target_ms / 1000.0,
                          step_s=step.wall_ms / 1000.0)
+    if step.drafted and not step.prefill and step.draft_hit is not None:
+        metrics.DRAFT_WAIT_SECONDS.observe(step.draft_wait_ms / 1000.0)
+        metrics.DRAFT_CACHE.labels("hit" if step.draft_hit else "miss").inc()
     if first and step.token_ids:
         metrics.TIME_TO_FIRST_TOKEN.observe(time.perf_counter() - started)

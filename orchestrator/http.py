@@ -181,7 +181,9 @@ def usage_json(usage: Usage) -> dict[str, Any]:
             "total_tokens": usage.prompt_tokens + usage.completion_tokens,
             # Tandem's own: how much speculation saved, per request.
             "drafted_tokens": usage.drafted_tokens, "accepted_tokens": usage.accepted_tokens,
-            "target_forward_passes": usage.target_forward_passes, "proposer": usage.proposer}
+            "target_forward_passes": usage.target_forward_passes, "proposer": usage.proposer,
+            "draft_wait_ms": round(usage.draft_wait_ms, 3), "draft_cache_hits": usage.draft_cache_hits,
+            "draft_cache_misses": usage.draft_cache_misses}
 
 
 @dataclass(frozen=True)

@@ -35,8 +35,12 @@ class Proposer(Protocol):
         """Bytes the proposer exchanged with other services."""
 
     async def get_candidates(self, history: list[int], num_speculative_tokens: int,
-                             params: sampling.SamplingParams, seed: int) -> DraftBlock:
-        """Up to k tokens to follow `history`; k=0 may prepare (the draft model prefills)."""
+                             params: sampling.SamplingParams, seed: int, ahead: int = 0) -> DraftBlock:
+        """Up to k tokens to follow `history`; k=0 may prepare (the draft model prefills).
+
+        `seed` is the request's: the same on every step. `ahead`: how many tokens the next
+        step will likely draft, which a proposer that overlaps may draft meanwhile.
+        """
 
     def update_candidate_strategy(self, block: DraftBlock, accepted: int, history_length: int) -> None:
         """`accepted` of `block` were kept after `history_length` history tokens."""
@@ -51,6 +55,7 @@ class DraftModelProposer:
 
     session: DraftSession
     max_support_size: int
+    overlap: bool = True  # draft the next block ahead while the target verifies (--overlap)
     name: str = "draft-model"
     lost: bool = False  # every draft replica failed: the request goes on with the target alone
 
@@ -59,12 +64,13 @@ class DraftModelProposer:
         return self.session.wire_bytes
 
     async def get_candidates(self, history: list[int], num_speculative_tokens: int,
-                             params: sampling.SamplingParams, seed: int) -> DraftBlock:
+                             params: sampling.SamplingParams, seed: int, ahead: int = 0) -> DraftBlock:
         if self.lost:
             return EMPTY_BLOCK
         try:
             return await self.session.propose(history, num_speculative_tokens, params,
-                                              self.max_support_size, seed)
+                                              self.max_support_size, seed,
+                                              ahead if self.overlap else 0)
         except (Unavailable, ResourceExhausted) as exc:
             # The draft only ever changes speed: without one, the target decodes alone, exactly.
             why = ("the draft refused this request" if isinstance(exc, ReplicaRefused)
@@ -113,7 +119,7 @@ class PromptLookupProposer:
     wire_bytes: int = 0
 
     async def get_candidates(self, history: list[int], num_speculative_tokens: int,
-                             params: sampling.SamplingParams, seed: int) -> DraftBlock:
+                             params: sampling.SamplingParams, seed: int, ahead: int = 0) -> DraftBlock:
         if num_speculative_tokens == 0:
             return EMPTY_BLOCK
         started = time.perf_counter()

@@ -281,15 +281,19 @@ class RemoteSession:
 
 class DraftSession(RemoteSession):
     async def propose(self, history: list[int], num_speculative_tokens: int,
-                      params: sampling.SamplingParams, max_support_size: int, seed: int) -> DraftBlock:
+                      params: sampling.SamplingParams, max_support_size: int, seed: int,
+                      ahead: int = 0) -> DraftBlock:
+        """A block of k tokens after `history`; with `ahead`, the replica then drafts that many
+        tokens of the next step's likely block while the target verifies this one."""
         response = await self._step("ProposeBlocks", lambda synced: draft_pb2.ProposeBlocksRequest(
             session_id=self.session_id, cache_position=synced,
             new_token_ids=history[synced:], num_speculative_tokens=num_speculative_tokens,
-            sampling=wire.sampling_to_proto(params), max_support_size=max_support_size, seed=seed))
+            sampling=wire.sampling_to_proto(params), max_support_size=max_support_size, seed=seed,
+            draft_ahead_tokens=ahead))
         dists = tuple(wire.distribution_from_proto(d) for d in response.distributions)
         probs = tuple(d.probs[d.token_ids.index(t)] for t, d in zip(response.token_ids, dists))
         return DraftBlock(tuple(response.token_ids), dists, probs, response.cache_length,
-                          response.compute_ms)
+                          response.compute_ms, response.prebuilt_tokens if ahead else -1)
 
 
 @dataclass

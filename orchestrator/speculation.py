@@ -52,10 +52,13 @@ async def speculate(gen: Generation, proposer: Proposer | None, target: TargetSe
     generated = 0
     while generated < gen.max_new_tokens:
         remaining = gen.max_new_tokens - generated
-        draft_seed, target_seed = torch.randint(0, 2**62, (2,), generator=rng).tolist()
+        target_seed = int(torch.randint(0, 2**62, (1,), generator=rng))
         started = time.perf_counter()
         prefill, target_synced = target.synced == 0, target.synced
         k = policy.choose(remaining)
+        wait_ms = 0.0
+        # The draft keys its draws by (request seed, position), so a block drafted ahead is
+        # the block drafted now; with overlap it drafts the next k while the target verifies.
         if proposer is None or k == 0:
             # A draft the policy does not mean to use is not prefilled: it catches up when used.
             block = EMPTY_BLOCK
@@ -63,10 +66,11 @@ async def speculate(gen: Generation, proposer: Proposer | None, target: TargetSe
         elif prefill:
             # Prefill both caches at once; the target alone yields the first token (TTFT).
             block, result = await _both(
-                proposer.get_candidates(history, 0, gen.sampling, draft_seed),
+                proposer.get_candidates(history, 0, gen.sampling, gen.seed, ahead=k),
                 target.score(history, EMPTY_BLOCK, gen.sampling, target_seed))
         else:
-            block = await proposer.get_candidates(history, k, gen.sampling, draft_seed)
+            block = await proposer.get_candidates(history, k, gen.sampling, gen.seed, ahead=k)
+            wait_ms = (time.perf_counter() - started) * 1000.0
             result = await target.score(history, block, gen.sampling, target_seed)
 
         if isinstance(result, TreeCommit):  # the target proposed and verified a tree itself
@@ -95,6 +99,8 @@ async def speculate(gen: Generation, proposer: Proposer | None, target: TargetSe
         finished_by_eos = eos_at is not None and eos_at < len(new)
         yield Step(new, finished_by_eos, accepted=min(accepted, len(new)),  # a tree may pass the end
                    drafted=drafted, rejected=rejected, prefill=prefill,
-                   draft_ms=block.compute_ms, target_ms=result.compute_ms, wall_ms=step_ms)
+                   draft_ms=block.compute_ms, target_ms=result.compute_ms, wall_ms=step_ms,
+                   draft_wait_ms=wait_ms, draft_hit=None if block.prebuilt < 0 or not block.token_ids
+                   else block.prebuilt == len(block.token_ids))
         if finished_by_eos:
             return

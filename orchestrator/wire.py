@@ -153,7 +153,8 @@ def usage_to_proto(usage: Usage, wire_bytes: int, total_ms: float) -> orchestrat
         rejected_tokens=usage.rejected_tokens, target_forward_passes=usage.target_forward_passes,
         wire_bytes=wire_bytes, draft_ms=usage.draft_ms, target_ms=usage.target_ms,
         prefill_ms=usage.prefill_ms, proposer=proposer_to_proto(usage.proposer),
-        total_ms=total_ms)
+        total_ms=total_ms, draft_wait_ms=usage.draft_wait_ms,
+        draft_cache_hits=usage.draft_cache_hits, draft_cache_misses=usage.draft_cache_misses)
 
 
 def delta_to_proto(delta: Delta) -> orchestrator_pb2.GenerateResponse:

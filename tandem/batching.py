@@ -101,7 +101,7 @@ class BatchCache:
 
 def single(model: models.CausalLM, p: Pass) -> PassOutput:
     """A pass on its own: today's per-session forward, with the model's own mask."""
-    p.session.rollback(p.cache_position)
+    p.session.extend(p.cache_position, p.token_ids)
     if not p.segment.token_ids and not p.with_hidden:
         return PassOutput(p.session.forward(model, list(p.token_ids), p.logits_to_keep), None)
     assert p.logits_to_keep == 1, "a pass with a segment or hidden states keeps one history row"
@@ -127,7 +127,7 @@ def batched(model: models.CausalLM, passes: list[Pass], window: int | None,
     parts: list[tuple[DynamicCache, int]] = []
     cached = []
     for p in passes:
-        p.session.rollback(p.cache_position)
+        p.session.extend(p.cache_position, p.token_ids)
         c, n, t = p.session.length, len(p.token_ids), len(p.segment.token_ids)
         allowed, query_positions = segment_layout(c, n, p.segment, window)
         rows.extend(len(ids) + r for r in range(n - p.logits_to_keep, n + t))
@@ -260,6 +260,7 @@ class StepScheduler:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[PassOutput] = loop.create_future()
         with self._ready:
+            p.session.pending += 1  # until the worker has run or skipped it
             self._queue.append(_Queued(p, future, loop))
             self._ready.notify()
         return await future
@@ -321,7 +322,8 @@ class StepScheduler:
     def _run(self) -> None:
         while True:
             live = []
-            for q in self._take():
+            taken = self._take()
+            for q in taken:
                 if q.future.cancelled():
                     continue
                 try:
@@ -331,6 +333,9 @@ class StepScheduler:
                 except Exception as exc:  # noqa: BLE001 - evicted while queued: NOT_FOUND
                     q.loop.call_soon_threadsafe(_settle, q.future, exc)
             if not live:
+                with self._ready:
+                    for q in taken:
+                        q.p.session.pending -= 1
                 continue
             started = time.perf_counter()
             outputs = self._forward(live)
@@ -350,6 +355,9 @@ class StepScheduler:
                     q.loop.call_soon_threadsafe(_settle, q.future, output)
                 except Exception:
                     log.exception("could not answer a pass")  # e.g. its event loop closed
+            with self._ready:
+                for q in taken:
+                    q.p.session.pending -= 1
 
 
 def _cut(cache: DynamicCache, length: int) -> None:

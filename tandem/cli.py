@@ -310,6 +310,9 @@ def _print_summary(summary: Any, text: str, token_ids: list[int], *, as_json: bo
                 "draft_ms": round(usage.draft_ms, 3), "target_ms": round(usage.target_ms, 3),
                 "prefill_ms": round(usage.prefill_ms, 3),
                 "total_ms": round(usage.total_ms, 3),
+                "draft_wait_ms": round(usage.draft_wait_ms, 3),
+                "draft_cache_hits": usage.draft_cache_hits,
+                "draft_cache_misses": usage.draft_cache_misses,
                 "proposer": common_pb2.Proposer.Name(usage.proposer),
             },
         }))

@@ -94,6 +94,14 @@ class KVSession:
     busy: bool = False
     in_step: bool = False  # a step of it is under way (between its passes, it may be evicted)
     evicted: bool = False
+    # The token ids whose KV the cache holds: the first `length` of them (passes record them).
+    token_ids: list[int] = field(default_factory=list)
+    # Passes submitted to the scheduler and not yet over (run or skipped); 0: the cache is still.
+    pending: int = 0
+    # Where a speculative tail begins (tokens drafted ahead, which no step has asked for yet);
+    # None: none. A tail is the first room the budget takes back (SessionTable.reserve).
+    tail_from: int | None = None
+    ahead: bool = False  # drafting ahead now: its tail is being written, so it is not trimmed
 
     @property
     def length(self) -> int:
@@ -126,6 +134,27 @@ class KVSession:
         elif cache_position < self.length:
             # transformers 5.x: crop() takes the (negative) number of tokens to remove.
             self.cache.crop(cache_position - self.length)
+
+    def extend(self, cache_position: int, token_ids: list[int] | tuple[int, ...]) -> None:
+        """Before a pass appends `token_ids` after `cache_position`: roll back, and record them."""
+        self.rollback(cache_position)
+        del self.token_ids[cache_position:]
+        self.token_ids.extend(token_ids)
+
+    @property
+    def held_tokens(self) -> list[int]:
+        """The tokens the cache holds (read it only while no pass of the session is pending)."""
+        return self.token_ids[:self.length]
+
+    def trim_tail(self) -> int:
+        """Drop the speculative tail (tokens drafted ahead); how many tokens that freed."""
+        if self.tail_from is None or self.evicted:
+            return 0
+        freed = max(0, self.length - self.tail_from)
+        if freed:
+            self.rollback(self.tail_from)
+        self.tail_from = None
+        return freed
 
     def evict(self) -> None:
         """Free the cache. The session is over: its next step gets NOT_FOUND (a step already
@@ -219,11 +248,13 @@ class SessionTable:
         self._sessions[self._next] = session
         return self._next, session
 
-    def reserve(self, session: KVSession, tokens: int) -> None:
+    def reserve(self, session: KVSession, tokens: int, evict: bool = True) -> None:
         """Claim room for `session` to hold `tokens` after its next step, evicting if need be.
 
-        Nothing is evicted for a step that is refused: for an evicted session, or when
-        evicting every idle session would still not make room.
+        Idle sessions' speculative tails (tokens drafted ahead) go first, then idle sessions'
+        caches. Nothing is evicted for a step that is refused: for an evicted session, or when
+        evicting every idle session would still not make room. With evict=False (drafting
+        ahead, which must never cost another session anything) only free room is claimed.
         """
         session.check_alive()  # an evicted session must not claim room
         self._clock += 1
@@ -242,6 +273,15 @@ class SessionTable:
         with self._lock:
             others = [s for s in self._sessions.values() if s is not session]
             claimed = max(tokens, session.length) + sum(map(claim, others))
+            if claimed > budget and not evict:
+                raise BudgetHeld(f"no free room in the KV budget ({budget} tokens)")
+            for s in others:  # tails first: the cheapest room, as nobody has asked for them yet
+                if claimed > budget and s.tail_from is not None and not s.ahead \
+                        and not s.busy and not s.pending:
+                    before = claim(s)
+                    s.trim_tail()
+                    s.reserved = min(s.reserved, s.length)
+                    claimed -= before - claim(s)
             # Only sessions between steps are evicted, least recently used first: evicting one
             # in the middle of its step would throw its work away, and under pressure sessions
             # would evict each other's steps forever. Room held by steps under way frees when

@@ -74,6 +74,13 @@ DRAFT_FALLBACKS = Counter("tandem_draft_fallbacks",
                           "replica mid-request.")
 TARGET_ONLY_STEPS = Counter("tandem_target_only_steps",
                             "Steps without a drafted block (prefill, k=0, or no draft replica).")
+DRAFT_CACHE = Counter("tandem_draft_cache_steps",
+                      "Decode steps that drafted with overlap on, by outcome: hit (the whole block "
+                      "was drafted ahead, while the target verified the last one) or miss.",
+                      ["outcome"])
+DRAFT_WAIT_SECONDS = Histogram("tandem_draft_wait_seconds",
+                               "Time a decode step waited for its drafted block (the draft on "
+                               "the critical path, round trip included).", buckets=SECONDS_BUCKETS)
 ACCEPTED_PER_STEP = Histogram("tandem_accepted_tokens_per_step",
                               "Accepted length of each step that verified a drafted block.",
                               buckets=ACCEPTED_LENGTH_BUCKETS)
@@ -94,6 +101,10 @@ REPLICAS_REJECTED = Counter("tandem_replicas_rejected",
                             ["service"])
 
 # --- draft and target services ----------------------------------------------------------
+AHEAD_TOKENS = Counter("tandem_draft_ahead_tokens",
+                       "Tokens a draft replica drafted ahead (while the target verified), by fate: "
+                       "used by the next step, or wasted (its guess of the history was wrong).",
+                       ["model", "fate"])
 SESSIONS_ACTIVE = Gauge("tandem_sessions_active", "Open sessions (streams) on this replica.",
                         ["model"])
 SESSIONS_LIMIT = Gauge("tandem_sessions_limit", "Most open sessions this replica accepts.",

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ProposeBlocksRequest(_message.Message):
-    __slots__ = ("session_id", "cache_position", "new_token_ids", "num_speculative_tokens", "sampling", "max_support_size", "seed")
+    __slots__ = ("session_id", "cache_position", "new_token_ids", "num_speculative_tokens", "sampling", "max_support_size", "seed", "draft_ahead_tokens")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     CACHE_POSITION_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class ProposeBlocksRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MAX_SUPPORT_SIZE_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_AHEAD_TOKENS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     cache_position: int
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -23,16 +24,19 @@ class ProposeBlocksRequest(_message.Message):
     sampling: _common_pb2.SamplingParams
     max_support_size: int
     seed: int
-    def __init__(self, session_id: _Optional[str] = ..., cache_position: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., num_speculative_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_support_size: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+    draft_ahead_tokens: int
+    def __init__(self, session_id: _Optional[str] = ..., cache_position: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., num_speculative_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_support_size: _Optional[int] = ..., seed: _Optional[int] = ..., draft_ahead_tokens: _Optional[int] = ...) -> None: ...
 
 class ProposeBlocksResponse(_message.Message):
-    __slots__ = ("token_ids", "distributions", "cache_length", "compute_ms")
+    __slots__ = ("token_ids", "distributions", "cache_length", "compute_ms", "prebuilt_tokens")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DISTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
     CACHE_LENGTH_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    PREBUILT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     distributions: _containers.RepeatedCompositeFieldContainer[_common_pb2.SparseDistribution]
     cache_length: int
     compute_ms: float
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., distributions: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., cache_length: _Optional[int] = ..., compute_ms: _Optional[float] = ...) -> None: ...
+    prebuilt_tokens: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., distributions: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., cache_length: _Optional[int] = ..., compute_ms: _Optional[float] = ..., prebuilt_tokens: _Optional[int] = ...) -> None: ...

@@ -20,7 +20,7 @@ FINISH_REASON_EOS: FinishReason
 FINISH_REASON_STOP_STRING: FinishReason
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "drafted_tokens", "accepted_tokens", "target_forward_passes", "wire_bytes", "draft_ms", "target_ms", "total_ms", "prefill_ms", "proposer", "rejected_tokens")
+    __slots__ = ("prompt_tokens", "completion_tokens", "drafted_tokens", "accepted_tokens", "target_forward_passes", "wire_bytes", "draft_ms", "target_ms", "total_ms", "prefill_ms", "proposer", "rejected_tokens", "draft_wait_ms", "draft_cache_hits", "draft_cache_misses")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +33,9 @@ class Usage(_message.Message):
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     PROPOSER_FIELD_NUMBER: _ClassVar[int]
     REJECTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_CACHE_MISSES_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     drafted_tokens: int
@@ -45,7 +48,10 @@ class Usage(_message.Message):
     prefill_ms: float
     proposer: _common_pb2.Proposer
     rejected_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., target_forward_passes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., draft_ms: _Optional[float] = ..., target_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., proposer: _Optional[_Union[_common_pb2.Proposer, str]] = ..., rejected_tokens: _Optional[int] = ...) -> None: ...
+    draft_wait_ms: float
+    draft_cache_hits: int
+    draft_cache_misses: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., target_forward_passes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., draft_ms: _Optional[float] = ..., target_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., proposer: _Optional[_Union[_common_pb2.Proposer, str]] = ..., rejected_tokens: _Optional[int] = ..., draft_wait_ms: _Optional[float] = ..., draft_cache_hits: _Optional[int] = ..., draft_cache_misses: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("prompt", "prompt_token_ids", "max_new_tokens", "sampling", "seed", "num_speculative_tokens", "stop_strings", "ignore_eos", "proposer")

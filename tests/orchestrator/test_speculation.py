@@ -22,7 +22,8 @@ class SlowDraft:
         self.started = asyncio.Event()
         self.cancelled = False
 
-    async def get_candidates(self, history: list[int], k: int, params: Any, seed: int) -> Any:
+    async def get_candidates(self, history: list[int], k: int, params: Any, seed: int,
+                             ahead: int = 0) -> Any:
         self.started.set()
         try:
             await asyncio.sleep(3600)
