@@ -19,7 +19,7 @@ from draft_service.proposer import ProposedBlock, draft_ahead, propose_block
 from tandem.config import MAX_BLOCK_TOKENS, MAX_SUPPORT_SIZE
 from tandem.errors import InvalidRequest, TandemError
 from tandem.kv import KVSession
-from tandem.metrics import AHEAD_TOKENS
+from tandem.metrics import AHEAD_CACHED_TOKENS, AHEAD_TOKENS
 from tandem.model_service import ModelServicer, Step, sampling_from, step_from
 from tandem.sampling import SamplingParams
 from tandem.server import handle_errors
@@ -39,18 +39,20 @@ class Ahead:
     guess: list[int]
     stop: asyncio.Event = field(default_factory=asyncio.Event)
 
-    async def end(self, session: KVSession, history: list[int]) -> int:
-        """Stop it before the next step; `history` is that step's. Returns the tokens it drafted."""
+    async def end(self, session: KVSession, history: list[int]) -> tuple[int, bool]:
+        """Stop it before the next step; `history` is that step's. Returns the tokens it
+        drafted, and whether `history` is the branch it guessed (a hit)."""
         self.stop.set()
-        if history != self.guess[:len(history)]:
+        hit = len(self.guess) >= len(history) and history == self.guess[:len(history)]
+        if not hit:
             self.task.cancel()  # off the branch: a queued pass is skipped
         await asyncio.wait([self.task])
         while session.pending:  # a pass that was already running finishes first
             await asyncio.sleep(0.001)
         session.ahead = False
         if self.task.cancelled() or self.task.exception() is not None:
-            return 0
-        return self.task.result()
+            return 0, hit
+        return self.task.result(), hit
 
 
 class DraftService(ModelServicer, draft_pb2_grpc.DraftServiceServicer):
@@ -67,16 +69,17 @@ class DraftService(ModelServicer, draft_pb2_grpc.DraftServiceServicer):
         self.host.ready_model()
         ahead: Ahead | None = None
         session: KVSession | None = None
+        told: int | None = None  # the cache length the last reply gave (the cache may hold more)
         try:
             async for session, request in self.host.session_stream(request_iterator):
+                drafted, hit = 0, False
                 if ahead is not None:
-                    drafted = await ahead.end(session, session.token_ids[:request.cache_position]
-                                              + list(request.new_token_ids))
+                    drafted, hit = await ahead.end(session, session.token_ids[:request.cache_position]
+                                                   + list(request.new_token_ids))
                     ahead = None
-                else:
-                    drafted = 0
                 session.tail_from = None  # what is left of a tail is this step's to use or cut
-                step = step_from(request, session)
+                self._gauges()
+                step = step_from(request, session, told)
                 k, depth = request.num_speculative_tokens, request.draft_ahead_tokens
                 for name, value in (("num_speculative_tokens", k), ("draft_ahead_tokens", depth)):
                     if value > MAX_SPECULATIVE_TOKENS:
@@ -99,14 +102,22 @@ class DraftService(ModelServicer, draft_pb2_grpc.DraftServiceServicer):
                     cache_length=block.cache_length,
                     compute_ms=ms,
                     prebuilt_tokens=block.reused,
+                    ahead_hit=hit,
                 )
+                told = block.cache_length
                 if depth:
                     ahead = self._start_ahead(session, step, block, depth, params,
                                               request.max_support_size, request.seed)
         finally:
+            # No await here: a cancelled stream's handler may be cancelled again meanwhile.
             if ahead is not None and session is not None:
+                session.tail_from = None
                 ahead.task.cancel()
-                await ahead.end(session, [])
+            self._gauges()
+
+    def _gauges(self) -> None:
+        AHEAD_CACHED_TOKENS.labels(self.host.config.model).set(self.host.sessions.tail_tokens)
+        self.host.metrics.kv_total(self.host.sessions.cached_tokens)
 
     def _start_ahead(self, session: KVSession, step: Step, block: ProposedBlock, depth: int,
                      params: SamplingParams, max_support_size: int, seed: int) -> Ahead | None:
@@ -129,5 +140,6 @@ class DraftService(ModelServicer, draft_pb2_grpc.DraftServiceServicer):
                 return 0
             finally:
                 self.host.sessions.settle(session)
+                self._gauges()
 
         return Ahead(asyncio.get_running_loop().create_task(run()), guess, stop)

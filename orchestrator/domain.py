@@ -85,6 +85,7 @@ class DraftBlock:
     cache_length: int  # the draft replica's cache after proposing (0: no replica)
     compute_ms: float
     prebuilt: int = -1  # tokens drafted ahead, before the step asked (-1: not drafting ahead)
+    ahead_hit: bool = False  # the step's history was the branch the draft guessed and drafted
 
 
 #: Nothing proposed: the target scores no draft, a plain target step (k=0).
@@ -155,7 +156,7 @@ class Step:
     target_ms: float = 0.0  # the target's compute time
     wall_ms: float = 0.0  # the whole step, round trips included
     draft_wait_ms: float = 0.0  # waiting for the drafted block (decode steps)
-    draft_hit: bool | None = None  # the whole block was drafted ahead (None: not drafting ahead)
+    draft_hit: bool | None = None  # the draft had guessed this history (None: not drafting ahead)
 
 
 @dataclass(frozen=True)
@@ -173,8 +174,8 @@ class Usage:
     target_ms: float = 0.0  # decode steps only
     prefill_ms: float = 0.0  # wall time of the first step
     draft_wait_ms: float = 0.0  # decode steps' waits for the draft (the draft on the critical path)
-    draft_cache_hits: int = 0  # decode steps whose block was drafted ahead (overlap on)
-    draft_cache_misses: int = 0  # drafting decode steps whose block was not (overlap on)
+    draft_cache_hits: int = 0  # drafting decode steps whose history the draft guessed (overlap on)
+    draft_cache_misses: int = 0  # drafting decode steps whose history it did not (overlap on)
 
     def fold(self, step: Step, kept: int) -> Usage:
         """This usage after `step`, of whose tokens the first `kept` were delivered (a stop

@@ -293,7 +293,8 @@ class DraftSession(RemoteSession):
         dists = tuple(wire.distribution_from_proto(d) for d in response.distributions)
         probs = tuple(d.probs[d.token_ids.index(t)] for t, d in zip(response.token_ids, dists))
         return DraftBlock(tuple(response.token_ids), dists, probs, response.cache_length,
-                          response.compute_ms, response.prebuilt_tokens if ahead else -1)
+                          response.compute_ms, response.prebuilt_tokens if ahead else -1,
+                          response.ahead_hit)
 
 
 @dataclass

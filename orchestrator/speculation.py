@@ -100,7 +100,7 @@ async def speculate(gen: Generation, proposer: Proposer | None, target: TargetSe
         yield Step(new, finished_by_eos, accepted=min(accepted, len(new)),  # a tree may pass the end
                    drafted=drafted, rejected=rejected, prefill=prefill,
                    draft_ms=block.compute_ms, target_ms=result.compute_ms, wall_ms=step_ms,
-                   draft_wait_ms=wait_ms, draft_hit=None if block.prebuilt < 0 or not block.token_ids
-                   else block.prebuilt == len(block.token_ids))
+                   draft_wait_ms=wait_ms,
+                   draft_hit=None if block.prebuilt < 0 or not block.token_ids else block.ahead_hit)
         if finished_by_eos:
             return

@@ -114,13 +114,15 @@ class KVSession:
                 f"session {self.session_id}'s KV cache was evicted to make room for other "
                 "sessions (--kv-budget-tokens); open a new session and resend the history")
 
-    def check_position(self, cache_position: int) -> None:
-        """That a step may roll back to `cache_position`: the cache is there and holds it."""
+    def check_position(self, cache_position: int, held: int | None = None) -> None:
+        """That a step may roll back to `cache_position`: the cache is there and holds it
+        (`held`: the length the client was told, where the cache holds more, drafted ahead)."""
         self.check_alive()
-        if cache_position > self.length:
+        held = self.length if held is None else min(held, self.length)
+        if cache_position > held:
             raise CacheMismatch(
                 f"cache_position {cache_position} is beyond the session's cache length "
-                f"{self.length}; resend the history from a position <= {self.length}"
+                f"{held}; resend the history from a position <= {held}"
             )
 
     def rollback(self, cache_position: int) -> None:
@@ -236,6 +238,12 @@ class SessionTable:
     @property
     def cached_tokens(self) -> int:
         return sum(s.length for s in self._sessions.values())
+
+    @property
+    def tail_tokens(self) -> int:
+        """Tokens held in speculative tails (drafted ahead), over all sessions."""
+        return sum(max(0, s.length - s.tail_from) for s in self._sessions.values()
+                   if s.tail_from is not None)
 
     def open(self, session_id: str, vocab_size: int) -> tuple[int, KVSession]:
         if len(self._sessions) >= self.max_sessions:

@@ -75,8 +75,9 @@ DRAFT_FALLBACKS = Counter("tandem_draft_fallbacks",
 TARGET_ONLY_STEPS = Counter("tandem_target_only_steps",
                             "Steps without a drafted block (prefill, k=0, or no draft replica).")
 DRAFT_CACHE = Counter("tandem_draft_cache_steps",
-                      "Decode steps that drafted with overlap on, by outcome: hit (the whole block "
-                      "was drafted ahead, while the target verified the last one) or miss.",
+                      "Decode steps that drafted with overlap on, by outcome: hit (the draft had "
+                      "guessed the step's history and drafted its block ahead, or begun to) or "
+                      "miss.",
                       ["outcome"])
 DRAFT_WAIT_SECONDS = Histogram("tandem_draft_wait_seconds",
                                "Time a decode step waited for its drafted block (the draft on "
@@ -105,6 +106,9 @@ AHEAD_TOKENS = Counter("tandem_draft_ahead_tokens",
                        "Tokens a draft replica drafted ahead (while the target verified), by fate: "
                        "used by the next step, or wasted (its guess of the history was wrong).",
                        ["model", "fate"])
+AHEAD_CACHED_TOKENS = Gauge("tandem_draft_ahead_cached_tokens",
+                            "Tokens drafted ahead that sessions' KV caches hold, waiting for the "
+                            "next step (the first room the KV budget takes back).", ["model"])
 SESSIONS_ACTIVE = Gauge("tandem_sessions_active", "Open sessions (streams) on this replica.",
                         ["model"])
 SESSIONS_LIMIT = Gauge("tandem_sessions_limit", "Most open sessions this replica accepts.",

@@ -252,13 +252,13 @@ class ModelHost:
                 self.metrics.kv_total(self.sessions.cached_tokens)
 
 
-def step_from(request: Any, session: KVSession) -> Step:
-    """Validate the cache fields every step carries."""
+def step_from(request: Any, session: KVSession, held: int | None = None) -> Step:
+    """Validate the cache fields every step carries (`held`: see KVSession.check_position)."""
     new = list(request.new_token_ids)
     if not new:
         raise InvalidRequest("new_token_ids must hold at least one token (the last committed one)")
     session.check_tokens("new_token_ids", new)
-    session.check_position(request.cache_position)
+    session.check_position(request.cache_position, held)
     return Step(cache_position=request.cache_position, new_token_ids=new)
 
 

@@ -10,6 +10,7 @@ import itertools
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import torch
 from scipy import stats
@@ -68,16 +69,19 @@ def cell(tokens: list[int]) -> int:
     return (tokens[0] * VOCAB + tokens[1]) * VOCAB + tokens[2]
 
 
-def sample_cells(stack: Stack, params: SamplingParams, proposer: str,
-                 samples: int = SAMPLES) -> tuple[torch.Tensor, int, int]:
+def sample_cells(stack: Stack, params: SamplingParams, proposer: str, samples: int = SAMPLES,
+                 usages: list[Any] | None = None) -> tuple[torch.Tensor, int, int]:
     """Cell counts of the first three tokens of `samples` seeded requests through the stack
-    (8 at a time), and the drafted tokens accepted and drafted over all of them."""
+    (8 at a time), and the drafted tokens accepted and drafted over all of them; `usages`
+    gathers each request's usage."""
     with stack.client() as client:
         def draw(seed: int) -> tuple[int, int, int]:
             reply = client.generate(PROMPT, max_new_tokens=MAX_NEW_TOKENS, temperature=params.temperature,
                                     top_k=params.top_k, top_p=params.top_p, seed=seed,
                                     num_speculative_tokens=K, proposer=proposer, ignore_eos=True)
             usage = reply.usage
+            if usages is not None:
+                usages.append(usage)
             return cell(list(reply.token_ids)), usage.accepted_tokens, usage.drafted_tokens
 
         with ThreadPoolExecutor(max_workers=8) as pool:
