@@ -12,6 +12,12 @@ Modes (each prompt runs every mode before the next prompt; the order rotates):
                     Jacobi window scored in its own pass (--lookahead W,N,G, the target's default if unset)
   tandem-medusa     Tandem with Medusa heads on the target (only with --medusa-heads): no draft;
                     the target proposes a token tree and verifies it in the same pass
+  tandem-sequential Tandem with the cheap draft at fixed k, --overlap off: draft and target take turns
+  tandem-overlap    the same with --overlap on: the draft drafts the next block while the target
+                    verifies this one (the `tandem` mode overlaps too, under the adaptive policy)
+
+--placement split pins the target service to core 0 and the draft service to core 1, one
+thread each, for every Tandem mode: one machine emulating separate hardware.
 
 Results go to bench/results/<time>/: results.json, results.md and plot.png.
 """
@@ -30,13 +36,16 @@ from typing import Any
 import torch
 
 from bench.prompts import Prompt, prompts
+from orchestrator.config import OrchestratorConfig
 from orchestrator.policy import expected_tokens
 from tandem import models
 from tandem.launch import Process, spawn, wait_serving
 
 HF_MODES = ("hf-target", "hf-assisted", "hf-assisted-cheap")
 TANDEM_MODES = ("tandem-k0", "tandem", "tandem-plain-draft", "tandem-lookup", "tandem-lookahead",
-                "tandem-medusa")
+                "tandem-medusa", "tandem-sequential", "tandem-overlap")
+# Modes at a fixed k on an orchestrator of their own: --overlap off and on.
+OVERLAP_MODES = {"tandem-sequential": "off", "tandem-overlap": "on"}
 # Modes that ask for a proposer other than the deployment's default (the draft model).
 MODE_PROPOSERS = {"tandem-lookup": "prompt-lookup", "tandem-lookahead": "lookahead",
                   "tandem-medusa": "medusa"}
@@ -75,6 +84,9 @@ class Run:
     prefill_ms: float = 0.0
     rejected: int = 0  # drafted tokens tested and rejected (at most one per pass)
     first_tokens: int = 1  # tokens that arrived at TTFT (HF assisted: a whole first step)
+    draft_wait_ms: float = 0.0  # decode steps' waits for the draft
+    draft_hits: int = 0  # drafting steps whose history the draft had guessed (overlap on)
+    draft_misses: int = 0
 
     @property
     def tok_s(self) -> float:
@@ -278,6 +290,16 @@ def summarize(runs: list[Run], verify_ratio: dict[int, float] | None = None) -> 
                         best = best_bound(alpha, c, verify_ratio)
                         row["best_bound_measured_verify"] = best
                         row["fraction_of_best_bound"] = achieved / best if achieved else None
+                    # With the draft hidden behind verification, a step costs one pass of k+1
+                    # tokens: E(k) / (v(k+1)/v(1)), v as the target service measured it here.
+                    plain_verify = [r.target_ms / r.decode_passes for r in plain]
+                    if plain_verify:
+                        ratio_v = (sum(r.target_ms for r in mine) / passes) / statistics.median(plain_verify)
+                        row["verify_vs_k0"] = ratio_v
+                        row["overlapped_bound"] = expected_tokens(alpha, k_mean) / max(ratio_v, 1e-9)
+                hits, misses = sum(r.draft_hits for r in mine), sum(r.draft_misses for r in mine)
+                row["hit_rate"] = hits / (hits + misses) if hits + misses else None
+                step["draft_wait_ms"] = statistics.median(r.draft_wait_ms / r.decode_passes for r in mine)
             table[mode] = row
         out[setting] = table
     return out
@@ -319,6 +341,8 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any],
                   + ". Bound: Leviathan's E/(k̄c+1), which takes verification as free in block size; "
                   "best bound: max over k of E(k)/(kc + v(k+1)/v(1)), with the costs measured here.", ""]
     for setting, table in summary.items():
+        if set(OVERLAP_MODES) & set(table):
+            lines += overlap_table(setting, table, f)
         lines += [f"## {setting}", "",
                   ("| mode | tok/s | ×hf-target | ×hf-assisted | ×hf-assisted-cheap | ×tandem-k0 | TTFT s "
                    "| decode tok/s | decode ×hf-target | decode ×hf-assisted | decode ×tandem-k0 "
@@ -356,6 +380,30 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any],
     lines += ["Greedy outputs equal to hf-target: " + ", ".join(f"{m} {v}" for m, v in meta["matches"].items()),
               "", "Peak RSS (MB): " + ", ".join(f"{k} {v:.0f}" for k, v in meta["peak_rss_mb"].items()), ""]
     return "\n".join(lines)
+
+
+def overlap_table(setting: str, table: dict[str, Any], f: Any) -> list[str]:
+    """Sequential against overlapped drafting (and the adaptive policy's `tandem`), side by side."""
+    base = table.get("tandem-sequential")
+    lines = [f"## {setting}: overlap", "",
+             ("| mode | tok/s | ×sequential | ×tandem-k0 | α | k̄ | hit rate | draft wait ms/step "
+              "| draft wait ×sequential | verify ms/step | v(k̄+1)/v(1) | Leviathan bound "
+              "| overlapped bound |"),
+             "|" + "---|" * 13]
+    for mode in ("tandem-sequential", "tandem-overlap", "tandem"):
+        r = table.get(mode)
+        if r is None:
+            continue
+        step = r.get("per_step", {})
+        wait, base_wait = step.get("draft_wait_ms"), (base or {}).get("per_step", {}).get("draft_wait_ms")
+        lines.append(
+            f"| {mode} | {f(r['tok_s'])} | {f(r['tok_s'] / base['tok_s'] if base else None)} | "
+            f"{f(r['speedup_vs_tandem_k0'])} | {f(r.get('alpha'))} | {f(r.get('k_mean'))} | "
+            f"{f(r.get('hit_rate'))} | {f(wait, '{:.1f}')} | "
+            f"{f(wait / base_wait if wait is not None and base_wait else None)} | "
+            f"{f(step.get('verify_ms'), '{:.1f}')} | {f(r.get('verify_vs_k0'))} | "
+            f"{f(r.get('leviathan_bound'))} | {f(r.get('overlapped_bound'))} |")
+    return [*lines, ""]
 
 
 def plot(summary: dict[str, Any], path: Path) -> None:
@@ -413,6 +461,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="Medusa heads for the target (tandem train-medusa): adds tandem-medusa")
     parser.add_argument("--medusa-choices", default="", help="the Medusa tree (default: the server's)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--placement", choices=("shared", "split"), default="shared",
+                        help="split: target service on core 0, draft service on core 1, one thread "
+                        "each, for every Tandem mode (shared: both on every core, --threads each)")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--device", default="cpu")
@@ -432,8 +483,6 @@ def main(argv: list[str] | None = None) -> None:
     settings = [s for s in SETTINGS if s.name in args.settings.split(",")]
     torch.set_num_threads(args.threads)
 
-    from orchestrator.config import OrchestratorConfig
-
     k = args.num_speculative_tokens or OrchestratorConfig.num_speculative_tokens
     quantized = args.cheap_draft == "int8-dynamic"
     cheap = models.Placement(args.device, "float32" if quantized else args.cheap_draft,
@@ -444,6 +493,10 @@ def main(argv: list[str] | None = None) -> None:
 
     procs: dict[str, Process] = {}
     threads = ["--threads", str(args.threads), "--device", args.device]
+    target_threads, draft_threads = threads, threads
+    if args.placement == "split":
+        target_threads = ["--threads", "1", "--cpu-affinity", "0", "--device", args.device]
+        draft_threads = ["--threads", "1", "--cpu-affinity", "1", "--device", args.device]
     try:
         if set(modes) & set(TANDEM_MODES):
             lookahead = ["--lookahead", args.lookahead] if args.lookahead else []
@@ -451,12 +504,13 @@ def main(argv: list[str] | None = None) -> None:
             if medusa and args.medusa_choices:
                 medusa += ["--medusa-choices", args.medusa_choices]
             procs["target-service"] = spawn(["target-service", "--model", args.target, "--dtype",
-                                             args.target_dtype, *threads, *lookahead, *medusa])
+                                             args.target_dtype, *target_threads, *lookahead, *medusa])
             cheap_args = ["--dtype", cheap.dtype] + (["--quantize", cheap.quantize] if cheap.quantize else [])
-            procs["draft-service(cheap)"] = spawn(["draft-service", "--model", args.draft, *cheap_args, *threads])
+            procs["draft-service(cheap)"] = spawn(["draft-service", "--model", args.draft, *cheap_args,
+                                                   *draft_threads])
             if "tandem-plain-draft" in modes:
                 procs["draft-service(plain)"] = spawn(["draft-service", "--model", args.draft, "--dtype",
-                                                       args.target_dtype, *threads])
+                                                       args.target_dtype, *draft_threads])
             orch_args = ["--target", procs["target-service"].address, "--tokenizer", args.target]
             if args.num_speculative_tokens is not None:
                 orch_args += ["--num-speculative-tokens", str(args.num_speculative_tokens)]
@@ -465,6 +519,11 @@ def main(argv: list[str] | None = None) -> None:
             if "tandem-plain-draft" in modes:
                 procs["orchestrator(plain)"] = spawn(["orchestrator", "--draft",
                                                       procs["draft-service(plain)"].address, *orch_args])
+            for mode, overlap in OVERLAP_MODES.items():
+                if mode in modes:
+                    procs[f"orchestrator({mode})"] = spawn([
+                        "orchestrator", "--draft", procs["draft-service(cheap)"].address, *orch_args,
+                        "--overlap", overlap])
         hf: dict[str, Any] = {}
         dtype = models.torch_dtype(args.target_dtype)
         if "hf-target" in modes or "hf-assisted" in modes or "hf-assisted-cheap" in modes:
@@ -510,7 +569,9 @@ def main(argv: list[str] | None = None) -> None:
             "started": started, "command": "tandem bench " + " ".join(argv or []),
             "target": args.target, "draft": args.draft,
             "num_prompts": len(items), "max_new_tokens": n, "k": k, "target_dtype": args.target_dtype,
-            "cheap_draft": args.cheap_draft, "threads": f"{args.threads} per process",
+            "cheap_draft": args.cheap_draft,
+            "threads": (f"{args.threads} per process" if args.placement == "shared" else
+                        "split: target on core 0, draft on core 1, 1 thread each"),
             "medusa_heads": args.medusa_heads or None,
             "device": args.device, "matches": matches(runs), "peak_rss_mb": rss,
             "verify_ratio": verify_ratio,
@@ -534,13 +595,18 @@ def _one(mode: str, hf: dict[str, Any], clients: dict[str, Any], ids: list[int],
         assistant = {"hf-target": None, "hf-assisted": hf.get("draft"), "hf-assisted-cheap": hf.get("cheap")}[mode]
         tokens, wall, ttft, first = hf_run(mode, hf["target"], assistant, ids, setting, n, seed)
         return Run(mode, setting.name, name, kind, len(tokens), wall, ttft, tokens, first_tokens=first)
-    client = clients["orchestrator(plain)" if mode == "tandem-plain-draft" else "orchestrator(cheap)"]
+    client = clients[f"orchestrator({mode})" if mode in OVERLAP_MODES else
+                     "orchestrator(plain)" if mode == "tandem-plain-draft" else "orchestrator(cheap)"]
     proposer = MODE_PROPOSERS.get(mode)
-    tokens, wall, ttft, first, usage = tandem_run(client, ids, setting, n, seed,
-                                                  0 if mode == "tandem-k0" else k, proposer)
+    # The overlap modes compare the two loops at one fixed k (the server's default when unset).
+    fixed = k if k is not None else OrchestratorConfig.num_speculative_tokens
+    tokens, wall, ttft, first, usage = tandem_run(
+        client, ids, setting, n, seed,
+        0 if mode == "tandem-k0" else fixed if mode in OVERLAP_MODES else k, proposer)
     return Run(mode, setting.name, name, kind, len(tokens), wall, ttft, tokens, usage.drafted_tokens,
                usage.accepted_tokens, usage.target_forward_passes, usage.draft_ms, usage.target_ms,
-               usage.total_ms, usage.wire_bytes, usage.prefill_ms, usage.rejected_tokens, first)
+               usage.total_ms, usage.wire_bytes, usage.prefill_ms, usage.rejected_tokens, first,
+               usage.draft_wait_ms, usage.draft_cache_hits, usage.draft_cache_misses)
 
 
 if __name__ == "__main__":

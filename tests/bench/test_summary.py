@@ -152,3 +152,33 @@ def test_hf_runs_note_how_many_tokens_came_first_and_ignore_model_generation_def
     assert hf_run("hf-target", target, None, ids, greedy, 12, seed=0)[0] == plain
     _, _, _, first = hf_run("hf-assisted", target, target, ids, greedy, 12, seed=0)
     assert first > 1  # the assistant is the target itself: its whole first block is accepted
+
+
+def test_overlap_is_compared_with_the_sequential_loop_at_the_same_k() -> None:
+    """tandem-overlap against tandem-sequential: hit rate, draft wait per step, and the bound
+    with the draft hidden, E(k) / (v(k+1)/v(1)), v as the target service reported it."""
+    plain = Run(mode="tandem-k0", setting="greedy", prompt="code/0", kind="code", tokens=10, wall_s=2.0,
+                ttft_s=0.0, token_ids=list(range(10)), passes=11, target_ms=2000.0, total_ms=2000.0)
+
+    def spec(mode: str, wall_s: float, wait_ms: float, hits: int, misses: int) -> Run:
+        # 5 decode passes of k=4, 12 accepted and 3 rejected (alpha 0.8); each pass 400 ms.
+        return Run(mode=mode, setting="greedy", prompt="code/0", kind="code", tokens=18, wall_s=wall_s,
+                   ttft_s=0.0, token_ids=list(range(18)), drafted=20, accepted=12, passes=6,
+                   draft_ms=500.0, target_ms=2000.0, total_ms=wall_s * 1000, rejected=3,
+                   draft_wait_ms=wait_ms, draft_hits=hits, draft_misses=misses)
+
+    runs = [plain, spec("tandem-sequential", 3.0, 600.0, 0, 0), spec("tandem-overlap", 2.0, 150.0, 3, 1)]
+    table = summarize(runs)["greedy"]
+    overlap = table["tandem-overlap"]
+    assert overlap["hit_rate"] == pytest.approx(0.75)
+    assert table["tandem-sequential"]["hit_rate"] is None  # no drafting ahead, no hits counted
+    assert overlap["per_step"]["draft_wait_ms"] == pytest.approx(30.0)
+    assert overlap["verify_vs_k0"] == pytest.approx(400.0 / 200.0)
+    assert overlap["overlapped_bound"] == pytest.approx((1 - 0.8 ** 5) / 0.2 / 2.0)
+    meta = {"started": "now", "command": "tandem bench", "num_prompts": 1, "max_new_tokens": 18,
+            "k": 4, "target_dtype": "float32", "cheap_draft": "float32", "threads": 1,
+            "matches": {}, "peak_rss_mb": {}}
+    text = markdown(summarize(runs), meta)
+    assert "## greedy: overlap" in text
+    assert "| tandem-overlap | 9.00 | 1.50 |" in text  # 18 tokens in 2 s, against 6 tok/s
+    assert "| 0.75 | 30.0 | 0.25 |" in text  # hit rate, wait per step, wait against sequential

@@ -95,6 +95,46 @@ def test_budget_evicts_idle_sessions_least_recently_used_first(model) -> None:  
     assert b.length == 0 and table.cached_tokens == 10
 
 
+def test_tails_drafted_ahead_go_before_any_session(model) -> None:  # type: ignore[no-untyped-def]
+    table, (a, b) = _table_with(model, 30, 10, 12)
+    b.tail_from = 8  # b's last 4 tokens were drafted ahead: nobody has asked for them yet
+    assert table.tail_tokens == 4
+    _, c = table.open("c", vocab_size=40)
+    table.reserve(c, 10)  # 32 > 30: b's tail goes (4 tokens), not a (least recently used)
+    assert not a.evicted and not b.evicted
+    assert b.length == 8 and b.tail_from is None and table.tail_tokens == 0
+
+
+def test_drafting_ahead_claims_only_free_room(model) -> None:  # type: ignore[no-untyped-def]
+    from tandem.errors import BudgetHeld
+
+    table, (a, b) = _table_with(model, 24, 10, 10)
+    with pytest.raises(BudgetHeld, match="no free room"):
+        table.reserve(b, 16, evict=False)  # 26 > 24: it would take a's room
+    assert not a.evicted
+    table.reserve(b, 14, evict=False)  # 24 fits
+    assert b.reserved == 14
+
+
+def test_a_tail_being_drafted_is_not_cut_under_it(model) -> None:  # type: ignore[no-untyped-def]
+    table, (a, b) = _table_with(model, 30, 10, 12)
+    b.tail_from, b.ahead = 8, True  # its drafting task is writing the tail now
+    _, c = table.open("c", vocab_size=40)
+    table.reserve(c, 10)
+    assert b.length == 12 and a.evicted  # the tail stays; the least recently used session goes
+
+
+def test_passes_record_the_tokens_the_cache_holds(model) -> None:  # type: ignore[no-untyped-def]
+    from tandem.batching import Pass, single
+
+    session = KVSession("t", vocab_size=40)
+    single(model, Pass(session, 0, (3, 4, 5, 6)))
+    single(model, Pass(session, 2, (7, 8)))  # cut back to 2, then append
+    assert session.held_tokens == [3, 4, 7, 8]
+    session.rollback(3)
+    assert session.held_tokens == [3, 4, 7]
+
+
 def test_a_session_whose_pass_is_running_is_never_evicted(model) -> None:  # type: ignore[no-untyped-def]
     from tandem.errors import BudgetHeld, SessionEvicted
 
