@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import queue
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 import pytest
@@ -61,26 +61,33 @@ def same_block(got: draft_pb2.ProposeBlocksResponse, want: draft_pb2.ProposeBloc
         assert list(a.probs) == pytest.approx(list(b.probs), abs=1e-5)
 
 
-def drafted_ahead(stub: draft_pb2_grpc.DraftServiceStub, bonus: int, want_hit: bool) -> None:
+def drafted_ahead(stub: draft_pb2_grpc.DraftServiceStub, accepted: int,
+                  outcome: Callable[[draft_pb2.ProposeBlocksResponse], int], want_hit: bool) -> None:
+    """A step, then the next one after `accepted` of its block and the target's token
+    `outcome(first reply)`, as the orchestrator sends it; that block is a fresh draft's."""
     stream = Stream(stub)
     try:
         first = stream.step(0, PROMPT, ahead=K)
-        x = list(first.token_ids)
         assert first.prebuilt_tokens == 0 and first.cache_length == len(PROMPT) + K - 1
-        history = PROMPT + x + [bonus]  # the whole block accepted, then the target's bonus
-        # Give the draft time to finish drafting ahead (a tiny model: milliseconds); should
-        # it not have, the step takes what is there and drafts the rest, the same block.
+        history = PROMPT + list(first.token_ids[:accepted]) + [outcome(first)]
+        synced = min(first.cache_length, len(PROMPT) + accepted)
+        # Give the draft time to draft ahead (a tiny model: milliseconds); should it not
+        # have finished, the step takes what is there and drafts the rest, the same block.
         deadline = time.monotonic() + 30
         while True:
             time.sleep(0.5)
-            second = stream.step(first.cache_length, history[first.cache_length:])
+            second = stream.step(synced, history[synced:])
             if not want_hit or second.prebuilt_tokens == K or time.monotonic() > deadline:
                 break
-            # Not ready yet: this step drafted the block itself; undo it and ask again later.
-            first = stream.step(0, PROMPT, ahead=K)
+            first = stream.step(0, PROMPT, ahead=K)  # not ready yet: again, from the start
+        assert second.ahead_hit == want_hit
         assert second.prebuilt_tokens == (K if want_hit else 0)
         same_block(second, fresh(stub, history))
         assert second.cache_length == len(history) + K - 1
+        # The next step, after the whole block and a bonus token: the cache caught up.
+        after = history + list(second.token_ids) + [3]
+        third = stream.step(second.cache_length, after[second.cache_length:], k=2)
+        same_block(third, fresh(stub, after, 2))
     finally:
         stream.close()
 
@@ -94,19 +101,31 @@ def test_a_block_depends_on_the_history_and_seed_alone(tiny_stack: Stack) -> Non
         assert list(long.token_ids[:K]) == list(short.token_ids)
 
 
-def test_a_hit_gives_the_block_a_fresh_draft_gives(tiny_stack: Stack) -> None:
+def test_a_hit_on_full_acceptance_gives_the_block_a_fresh_draft_gives(tiny_stack: Stack) -> None:
     with grpc.insecure_channel(tiny_stack.drafts[0].address) as channel:
         stub = draft_pb2_grpc.DraftServiceStub(channel)
         # The draft's guess for the bonus token: its most likely token after the block.
         guess = fresh(stub, PROMPT, K + 1).distributions[K].token_ids[0]
-        drafted_ahead(stub, guess, want_hit=True)
+        drafted_ahead(stub, K, lambda first: guess, want_hit=True)
+
+
+@pytest.mark.parametrize("accepted", [0, 2])
+def test_a_hit_on_a_rejection_gives_the_block_a_fresh_draft_gives(tiny_stack: Stack, accepted: int) -> None:
+    def recovered(first: draft_pb2.ProposeBlocksResponse) -> int:
+        # The draft's guess for the target's token where it rejects x: q's most likely other token.
+        q = first.distributions[accepted]
+        return next(t for t in q.token_ids if t != first.token_ids[accepted])
+
+    with grpc.insecure_channel(tiny_stack.drafts[0].address) as channel:
+        drafted_ahead(draft_pb2_grpc.DraftServiceStub(channel), accepted, recovered, want_hit=True)
 
 
 def test_a_miss_gives_the_block_a_fresh_draft_gives(tiny_stack: Stack) -> None:
     with grpc.insecure_channel(tiny_stack.drafts[0].address) as channel:
         stub = draft_pb2_grpc.DraftServiceStub(channel)
-        guess = fresh(stub, PROMPT, K + 1).distributions[K].token_ids[0]
-        drafted_ahead(stub, (guess + 1) % 30, want_hit=False)
+        first = fresh(stub, PROMPT, K + 1)
+        unguessed = next(t for t in range(3, 30) if t not in first.distributions[K].token_ids[:1])
+        drafted_ahead(stub, K, lambda _: unguessed, want_hit=False)
 
 
 def test_a_step_cannot_claim_tokens_it_was_never_told_of(tiny_stack: Stack) -> None:
