@@ -15,12 +15,12 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from draft_service.proposer import ProposedBlock, draft_ahead, propose_block
+from draft_service.proposer import Guesses, ProposedBlock, draft_ahead, propose_block
 from tandem.config import MAX_BLOCK_TOKENS, MAX_SUPPORT_SIZE
 from tandem.errors import InvalidRequest, TandemError
 from tandem.kv import KVSession
 from tandem.metrics import AHEAD_CACHED_TOKENS, AHEAD_TOKENS
-from tandem.model_service import ModelServicer, Step, sampling_from, step_from
+from tandem.model_service import ModelServicer, sampling_from, step_from
 from tandem.sampling import SamplingParams
 from tandem.server import handle_errors
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc
@@ -33,26 +33,24 @@ MAX_SPECULATIVE_TOKENS = MAX_BLOCK_TOKENS
 
 @dataclass
 class Ahead:
-    """A session's drafting ahead: its task, the history it drafts towards, and its stop."""
+    """A session's drafting ahead: its task, what it guessed, and its stop."""
 
-    task: asyncio.Task[int]
-    guess: list[int]
+    task: asyncio.Task[None]
+    guesses: Guesses
     stop: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def end(self, session: KVSession, history: list[int]) -> tuple[int, bool]:
         """Stop it before the next step; `history` is that step's. Returns the tokens it
-        drafted, and whether `history` is the branch it guessed (a hit)."""
+        drafted, and whether `history` is one it guessed (a hit)."""
         self.stop.set()
-        hit = len(self.guess) >= len(history) and history == self.guess[:len(history)]
-        if not hit:
+        hit = self.guesses.hit(history)
+        if history != self.guesses.current:
             self.task.cancel()  # off the branch: a queued pass is skipped
         await asyncio.wait([self.task])
         while session.pending:  # a pass that was already running finishes first
             await asyncio.sleep(0.001)
         session.ahead = False
-        if self.task.cancelled() or self.task.exception() is not None:
-            return 0, hit
-        return self.task.result(), hit
+        return self.guesses.drafted, hit
 
 
 class DraftService(ModelServicer, draft_pb2_grpc.DraftServiceServicer):
@@ -69,17 +67,20 @@ class DraftService(ModelServicer, draft_pb2_grpc.DraftServiceServicer):
         self.host.ready_model()
         ahead: Ahead | None = None
         session: KVSession | None = None
-        told: int | None = None  # the cache length the last reply gave (the cache may hold more)
+        # What the last reply said the cache holds: the history and the block's first k - 1
+        # tokens. The cache itself may hold more (drafted ahead) or other tokens (a block
+        # that came from a branch: the cache catches up on the next pass).
+        told: list[int] | None = None
         try:
             async for session, request in self.host.session_stream(request_iterator):
                 drafted, hit = 0, False
+                step = step_from(request, session, None if told is None else len(told))
+                history = (told or [])[:step.cache_position] + step.new_token_ids
                 if ahead is not None:
-                    drafted, hit = await ahead.end(session, session.token_ids[:request.cache_position]
-                                                   + list(request.new_token_ids))
+                    drafted, hit = await ahead.end(session, history)
                     ahead = None
                 session.tail_from = None  # what is left of a tail is this step's to use or cut
                 self._gauges()
-                step = step_from(request, session, told)
                 k, depth = request.num_speculative_tokens, request.draft_ahead_tokens
                 for name, value in (("num_speculative_tokens", k), ("draft_ahead_tokens", depth)):
                     if value > MAX_SPECULATIVE_TOKENS:
@@ -89,8 +90,8 @@ class DraftService(ModelServicer, draft_pb2_grpc.DraftServiceServicer):
                         f"max_support_size must be in [1, {MAX_SUPPORT_SIZE}], got {request.max_support_size}")
                 params = sampling_from(request.sampling)
                 block, ms = await self.host.run_step(
-                    session, step.cache_position + len(step.new_token_ids) + k, propose_block, session,
-                    step, k, params, request.max_support_size, request.seed)
+                    session, len(history) + k, propose_block, session, history, k, params,
+                    request.max_support_size, request.seed)
                 if drafted:
                     used = min(block.reused, drafted)
                     AHEAD_TOKENS.labels(self.host.config.model, "used").inc(used)
@@ -104,9 +105,9 @@ class DraftService(ModelServicer, draft_pb2_grpc.DraftServiceServicer):
                     prebuilt_tokens=block.reused,
                     ahead_hit=hit,
                 )
-                told = block.cache_length
+                told = history + list(block.token_ids[:-1])
                 if depth:
-                    ahead = self._start_ahead(session, step, block, depth, params,
+                    ahead = self._start_ahead(session, history, block, depth, params,
                                               request.max_support_size, request.seed)
         finally:
             # No await here: a cancelled stream's handler may be cancelled again meanwhile.
@@ -119,27 +120,25 @@ class DraftService(ModelServicer, draft_pb2_grpc.DraftServiceServicer):
         AHEAD_CACHED_TOKENS.labels(self.host.config.model).set(self.host.sessions.tail_tokens)
         self.host.metrics.kv_total(self.host.sessions.cached_tokens)
 
-    def _start_ahead(self, session: KVSession, step: Step, block: ProposedBlock, depth: int,
+    def _start_ahead(self, session: KVSession, history: list[int], block: ProposedBlock, depth: int,
                      params: SamplingParams, max_support_size: int, seed: int) -> Ahead | None:
         """Draft the step after `block` on a task of its own, in free KV room only."""
-        history = session.token_ids[:step.cache_position] + step.new_token_ids + list(block.token_ids)
         try:
-            # The history, the guessed bonus token, and depth drafted tokens (the last not fed).
-            self.host.sessions.reserve(session, len(history) + depth, evict=False)
+            # The longest guess: the block, the bonus token, and depth drafted tokens (the last not fed).
+            self.host.sessions.reserve(session, len(history) + len(block.token_ids) + depth, evict=False)
         except TandemError:
             return None  # no free room: drafting ahead must never cost another session its cache
         session.tail_from, session.ahead = block.cache_length, True
-        guess, stop = list(history), asyncio.Event()
+        guesses, stop = Guesses(), asyncio.Event()
 
-        async def run() -> int:
+        async def run() -> None:
             try:
-                return await draft_ahead(self.host.scheduler, session, guess, depth, params,
-                                         max_support_size, seed, stop)
+                await draft_ahead(self.host.scheduler, session, history, block.token_ids,
+                                         depth, params, max_support_size, seed, stop, guesses)
             except TandemError as exc:  # evicted, trimmed: the next step finds out, and says so
                 log.debug("session %s: drafting ahead stopped: %s", session.session_id, exc)
-                return 0
             finally:
                 self.host.sessions.settle(session)
                 self._gauges()
 
-        return Ahead(asyncio.get_running_loop().create_task(run()), guess, stop)
+        return Ahead(asyncio.get_running_loop().create_task(run()), guesses, stop)

@@ -116,9 +116,10 @@ class KVSession:
 
     def check_position(self, cache_position: int, held: int | None = None) -> None:
         """That a step may roll back to `cache_position`: the cache is there and holds it
-        (`held`: the length the client was told, where the cache holds more, drafted ahead)."""
+        (`held`: the length the client was told, where that is not the cache's own: a draft
+        holds more, drafted ahead, or catches up on its next pass)."""
         self.check_alive()
-        held = self.length if held is None else min(held, self.length)
+        held = self.length if held is None else held
         if cache_position > held:
             raise CacheMismatch(
                 f"cache_position {cache_position} is beyond the session's cache length "
