@@ -13,6 +13,7 @@ target's law: docs/ARCHITECTURE.md ("Drafting ahead").
 from __future__ import annotations
 
 import asyncio
+import copy
 from dataclasses import dataclass, field
 
 import torch
@@ -60,29 +61,17 @@ class Position:
     ranked: tuple[int, ...]  # the RANKED most likely tokens by logit, most likely first
 
 
-@dataclass(frozen=True)
-class Branch:
-    """A block drafted ahead for a history the next step may name."""
-
-    history: tuple[int, ...]
-    seed: int
-    token_ids: tuple[int, ...]
-    distributions: tuple[sampling.SparseDistribution, ...]
-
-
 @dataclass
 class DraftState:
     """What a session's cache lets the next step reuse, under one request's parameters.
 
     positions[p] is what the draft computed at position p from the cache's first p tokens:
     valid while p <= the cache's length (a cut drops what follows; every append below prunes
-    the positions past its cut first). `branches` are blocks drafted ahead for histories the
-    cache no longer holds (it moved on to the next guess); they serve the next step only.
+    the positions past its cut first).
     """
 
     key: tuple[sampling.SamplingParams, int]  # (params, max_support_size) of the dists
     positions: dict[int, Position] = field(default_factory=dict)
-    branches: list[Branch] = field(default_factory=list)
 
 
 class Drafter:
@@ -144,11 +133,35 @@ class Drafter:
             dists.append(position.q)
         return tokens, dists, reused
 
-    def drafted_ahead(self, history: list[int], k: int) -> Branch | None:
-        """A block of k drafted ahead for `history`, off the cache, if one was."""
-        key = tuple(history)
-        return next((b for b in self.state().branches if b.history == key and b.seed == self.seed
-                     and len(b.token_ids) >= k), None)
+
+def fork(session: KVSession, length: int) -> KVSession:
+    """A copy of the session's cache cut to `length`, with what the draft computed there: a
+    guess drafts in it without disturbing the session's own."""
+    branch = KVSession(f"{session.session_id}/guess", session.vocab_size)
+    # The layers' tensors are shared, not copied: a cache only ever cuts (a view) or appends
+    # (a new tensor), never writes in place, so neither side sees the other's changes.
+    branch.cache = copy.copy(session.cache)
+    branch.cache.layers = [copy.copy(layer) for layer in session.cache.layers]
+    branch.token_ids = session.token_ids[:length]
+    branch.rollback(length)
+    state = session.proposer_state.get("draft")
+    if state is not None:
+        branch.proposer_state["draft"] = DraftState(
+            state.key, {p: d for p, d in state.positions.items() if p <= length})
+    return branch
+
+
+def adopt(session: KVSession, history: list[int]) -> None:
+    """If drafting ahead guessed `history` in a copy of the cache, take that copy's cache; and
+    drop every other guess (they were for this step only)."""
+    guesses = session.proposer_state.pop("guesses", None)
+    session.tail_extra = 0
+    if guesses is None:
+        return
+    for guess in guesses.guesses:
+        if guess.history == history and guess.session is not session:
+            session.cache, session.token_ids = guess.session.cache, guess.session.token_ids
+            session.proposer_state["draft"] = guess.session.proposer_state.get("draft")
 
 
 async def propose_block(
@@ -172,69 +185,81 @@ async def propose_block(
     drafter = Drafter(forward, session, params, max_support_size, seed)
     k = num_speculative_tokens
     if k == 0:  # a prefill: fill the cache, and keep q for what follows
+        adopt(session, history)
         await drafter.at(history)
         return ProposedBlock((), (), len(history), 0)
-    branch = drafter.drafted_ahead(history, k)
-    drafter.state().branches = []  # they were for this step only
-    if branch is not None:
-        return ProposedBlock(branch.token_ids[:k], branch.distributions[:k], len(history) + k - 1, k)
+    adopt(session, history)
     tokens, dists, reused = await drafter.draft(history, k)
     # The cache may hold more (a continuation drafted ahead): the caller's view ends here.
     return ProposedBlock(tuple(tokens), tuple(dists), len(history) + k - 1, reused)
 
 
 @dataclass
-class Guesses:
-    """What a session's drafting ahead has guessed: the history whose block it drafts now,
-    and those whose blocks are done (the step that names one is a hit)."""
+class Guess:
+    """One outcome drafting ahead guessed: the history it leads to, the cache it drafts in
+    (the session's own, or a copy cut where the guess leaves the block), and its tokens."""
 
-    current: list[int] = field(default_factory=list)
-    done: list[list[int]] = field(default_factory=list)
+    history: list[int]
+    session: KVSession
+    tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Guesses:
+    """What a session's drafting ahead guessed (a step whose history is one is a hit)."""
+
+    guesses: list[Guess] = field(default_factory=list)
     drafted: int = 0  # tokens drafted ahead
 
     def hit(self, history: list[int]) -> bool:
-        return history == self.current or history in self.done
+        return any(g.history == history for g in self.guesses)
+
+    @property
+    def pending(self) -> bool:
+        """Whether a pass of a guess is still queued or running."""
+        return any(g.session.pending for g in self.guesses)
 
 
 async def draft_ahead(forward: Forward, session: KVSession, history: list[int],
                       block: tuple[int, ...], depth: int, params: sampling.SamplingParams,
                       max_support_size: int, seed: int, stop: asyncio.Event,
-                      guesses: Guesses) -> None:
+                      guesses: Guesses, copies: bool = True) -> None:
     """While the target verifies `block` (drafted after `history`), draft the step after it.
 
-    The outcomes guessed, most likely first: the whole block accepted with the draft's most
-    likely bonus token; then the first drafted token rejected and the target's token being
-    the draft's most likely other token; then the second; and so on. For each, `depth`
-    tokens are drafted after the guessed history, each with its q: the branch the cache
-    holds last is reused from the cache, the others are kept as blocks. Stops between
-    passes once `stop` is set or the budget took the tail back.
+    The outcomes guessed: the whole block accepted with the draft's most likely bonus token
+    (drafted in the session's own cache, which holds the block already); and, with `copies`,
+    a rejection at 1, 2, ... k with the draft's most likely other token there, each in a copy
+    of the cache cut where it leaves the block. All of them grow together, a token per round,
+    so that their passes share the scheduler's forward passes. For each, `depth` tokens are
+    drafted after the guessed history, each with its q in its cache; the next step adopts the
+    cache of the guess it names. Stops between rounds once `stop` is set or the budget took
+    the tail back.
     """
     drafter = Drafter(forward, session, params, max_support_size, seed)
-    drafter.state().branches = []
     k = len(block)
-    # Where each drafted token was drawn, while the cache still holds it (not after a block
-    # that came from a branch: its positions were never in this cache).
-    drawn = {i: drafter.known(history + list(block[:i])) for i in range(k)}
-    for accepted in (k, *range(k)):  # full acceptance, then a rejection at 1, 2, ...
-        if stop.is_set() or session.tail_from is None:
+    if copies:
+        # Where each drafted token was drawn (not kept after a block that came from a copy).
+        for i in range(k):
+            drawn = drafter.known(history + list(block[:i]))
+            if drawn is not None:
+                prefix = history + list(block[:i])
+                guess = next(t for t in drawn.ranked if t != block[i])
+                guesses.guesses.append(Guess([*prefix, guess], fork(session, len(prefix))))
+    session.proposer_state["guesses"] = guesses
+    session.tail_extra = sum(len(g.history) + depth for g in guesses.guesses)
+
+    async def grow(guess: Guess) -> None:
+        grower = Drafter(forward, guess.session, params, max_support_size, seed)
+        position, _ = await grower.at(guess.history + guess.tokens)
+        guess.tokens.append(draw(position.q, seed, len(guess.history) + len(guess.tokens)))
+        guesses.drafted += 1
+
+    async def full() -> None:
+        position, _ = await drafter.at(history + list(block))  # the bonus position: x_k is fed
+        guesses.guesses.insert(0, Guess([*history, *block, position.ranked[0]], session))
+
+    for round_ in range(depth + 1):
+        growing = [g for g in guesses.guesses if len(g.tokens) < depth]
+        if stop.is_set() or session.tail_from is None or (round_ and not growing):
             break
-        prefix = history + list(block[:accepted])
-        if accepted == k:
-            position, _ = await drafter.at(prefix)  # the bonus position: x_k is fed
-            guess = position.ranked[0]
-        elif (known := drawn[accepted]) is not None:
-            guess = next(t for t in known.ranked if t != block[accepted])
-        else:
-            continue
-        guesses.current = [*prefix, guess]
-        tokens: list[int] = []
-        dists: list[sampling.SparseDistribution] = []
-        while len(tokens) < depth and not stop.is_set() and session.tail_from is not None:
-            position, _ = await drafter.at(guesses.current + tokens)
-            tokens.append(draw(position.q, seed, len(guesses.current) + len(tokens)))
-            dists.append(position.q)
-            guesses.drafted += 1
-        if len(tokens) == depth:
-            drafter.state().branches.append(
-                Branch(tuple(guesses.current), seed, tuple(tokens), tuple(dists)))
-            guesses.done.append(guesses.current)
+        await asyncio.gather(*(full(),) if round_ == 0 else (), *(grow(g) for g in growing))

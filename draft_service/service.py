@@ -44,10 +44,10 @@ class Ahead:
         drafted, and whether `history` is one it guessed (a hit)."""
         self.stop.set()
         hit = self.guesses.hit(history)
-        if history != self.guesses.current:
+        if not hit:
             self.task.cancel()  # off the branch: a queued pass is skipped
         await asyncio.wait([self.task])
-        while session.pending:  # a pass that was already running finishes first
+        while session.pending or self.guesses.pending:  # a pass already running finishes first
             await asyncio.sleep(0.001)
         session.ahead = False
         return self.guesses.drafted, hit
@@ -123,22 +123,31 @@ class DraftService(ModelServicer, draft_pb2_grpc.DraftServiceServicer):
     def _start_ahead(self, session: KVSession, history: list[int], block: ProposedBlock, depth: int,
                      params: SamplingParams, max_support_size: int, seed: int) -> Ahead | None:
         """Draft the step after `block` on a task of its own, in free KV room only."""
+        k = len(block.token_ids)
+        # Its own cache: the block, the bonus token and depth drafted tokens (the last not fed);
+        # each copy for a rejection at i: the history, i drafted tokens, the guess and depth.
+        own = len(history) + k + depth
+        copies = sum(len(history) + i + 1 + depth for i in range(k))
         try:
-            # The longest guess: the block, the bonus token, and depth drafted tokens (the last not fed).
-            self.host.sessions.reserve(session, len(history) + len(block.token_ids) + depth, evict=False)
+            self.host.sessions.reserve(session, own + copies, evict=False)
+            with_copies = True
         except TandemError:
-            return None  # no free room: drafting ahead must never cost another session its cache
+            try:
+                self.host.sessions.reserve(session, own, evict=False)
+                with_copies = False
+            except TandemError:
+                return None  # no free room: drafting ahead must never cost another session its cache
         session.tail_from, session.ahead = block.cache_length, True
         guesses, stop = Guesses(), asyncio.Event()
 
         async def run() -> None:
             try:
                 await draft_ahead(self.host.scheduler, session, history, block.token_ids,
-                                         depth, params, max_support_size, seed, stop, guesses)
+                                  depth, params, max_support_size, seed, stop, guesses, with_copies)
             except TandemError as exc:  # evicted, trimmed: the next step finds out, and says so
                 log.debug("session %s: drafting ahead stopped: %s", session.session_id, exc)
             finally:
-                self.host.sessions.settle(session)
+                session.reserved = session.length + session.tail_extra  # the copies hold room too
                 self._gauges()
 
         return Ahead(asyncio.get_running_loop().create_task(run()), guesses, stop)

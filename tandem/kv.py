@@ -101,6 +101,7 @@ class KVSession:
     # Where a speculative tail begins (tokens drafted ahead, which no step has asked for yet);
     # None: none. A tail is the first room the budget takes back (SessionTable.reserve).
     tail_from: int | None = None
+    tail_extra: int = 0  # tokens of the tail held outside this cache (copies of it, per guess)
     ahead: bool = False  # drafting ahead now: its tail is being written, so it is not trimmed
 
     @property
@@ -153,10 +154,11 @@ class KVSession:
         """Drop the speculative tail (tokens drafted ahead); how many tokens that freed."""
         if self.tail_from is None or self.evicted:
             return 0
-        freed = max(0, self.length - self.tail_from)
-        if freed:
+        freed = max(0, self.length - self.tail_from) + self.tail_extra
+        if self.length > self.tail_from:
             self.rollback(self.tail_from)
-        self.tail_from = None
+        self.proposer_state.pop("guesses", None)
+        self.tail_from, self.tail_extra = None, 0
         return freed
 
     def evict(self) -> None:
@@ -243,7 +245,7 @@ class SessionTable:
     @property
     def tail_tokens(self) -> int:
         """Tokens held in speculative tails (drafted ahead), over all sessions."""
-        return sum(max(0, s.length - s.tail_from) for s in self._sessions.values()
+        return sum(max(0, s.length - s.tail_from) + s.tail_extra for s in self._sessions.values()
                    if s.tail_from is not None)
 
     def open(self, session_id: str, vocab_size: int) -> tuple[int, KVSession]:

@@ -71,7 +71,8 @@ def drafted_ahead(model, history: list[int], k: int):  # type: ignore[no-untyped
 def test_each_guess_drafted_ahead_is_the_block_a_fresh_draft_gives(model, accepted: int) -> None:  # type: ignore[no-untyped-def]
     history, k = [5, 9, 11, 7], 4
     session, block, guesses = drafted_ahead(model, history, k)
-    assert len(guesses.done) == k + 1 and guesses.drafted == (k + 1) * k  # every outcome guessed
+    # Every outcome guessed, and drafted to the end (in the session's cache and k copies).
+    assert len(guesses.guesses) == k + 1 and guesses.drafted == (k + 1) * k
     x = list(block.token_ids)
     ranked = fresh_q(model, history + x[:accepted])
     if accepted == k:  # the draft's most likely bonus token

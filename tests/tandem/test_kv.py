@@ -96,13 +96,16 @@ def test_budget_evicts_idle_sessions_least_recently_used_first(model) -> None:  
 
 
 def test_tails_drafted_ahead_go_before_any_session(model) -> None:  # type: ignore[no-untyped-def]
-    table, (a, b) = _table_with(model, 30, 10, 12)
+    table, (a, b) = _table_with(model, 40, 10, 12)
     b.tail_from = 8  # b's last 4 tokens were drafted ahead: nobody has asked for them yet
-    assert table.tail_tokens == 4
+    b.tail_extra, b.proposer_state["guesses"] = 9, "copies of b's cache, one per guess"
+    b.reserved = b.length + b.tail_extra
+    assert table.tail_tokens == 4 + 9
     _, c = table.open("c", vocab_size=40)
-    table.reserve(c, 10)  # 32 > 30: b's tail goes (4 tokens), not a (least recently used)
+    table.reserve(c, 20)  # 51 > 40: b's tail goes (13 tokens), not a (least recently used)
     assert not a.evicted and not b.evicted
     assert b.length == 8 and b.tail_from is None and table.tail_tokens == 0
+    assert "guesses" not in b.proposer_state and b.reserved == 8
 
 
 def test_drafting_ahead_claims_only_free_room(model) -> None:  # type: ignore[no-untyped-def]
