@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import DynamicCache
+from transformers import AttentionInterface, DynamicCache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from tandem import models
 from tandem.kv import KVSession, Segment, SessionTable, segment_layout, tree_segment
@@ -99,6 +100,36 @@ class BatchCache:
         return 0  # a batched pass always names its positions
 
 
+def _sdpa_by_session(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, *args: Any,
+                     tandem_sessions: tuple[tuple[int, int], ...] | None = None,
+                     **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' sdpa; in a batched pass (`tandem_sessions`: each session's query rows
+    and keys, in row order), one session at a time.
+
+    The block-diagonal mask already keeps sessions apart, so this changes no result beyond
+    rounding; it skips the masked T x S scores between sessions (each session's rows attend
+    to its own keys only) and lets one-token rows use sdpa's grouped-query path instead of
+    copying every key and value head per query head.
+    """
+    if tandem_sessions is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
+    # query: [1, heads, T, dim]; key, value: [1, kv_heads, S, dim]; mask: [1, 1, T, S]
+    outputs, q0, k0 = [], 0, 0
+    for rows, keys in tandem_sessions:
+        mask = None if attention_mask is None else attention_mask[..., q0:q0 + rows, k0:k0 + keys]
+        out, _ = sdpa_attention_forward(module, query[:, :, q0:q0 + rows], key[:, :, k0:k0 + keys],
+                                        value[:, :, k0:k0 + keys], mask, *args, **kwargs)
+        outputs.append(out)  # [1, rows, heads, dim]
+        q0, k0 = q0 + rows, k0 + keys
+    return torch.cat(outputs, dim=1), None
+
+
+# NOTE: replaces "sdpa" for the whole process, through transformers' registry; without
+# `tandem_sessions` (every pass but a batched one) it is transformers' own function.
+AttentionInterface.register("sdpa", _sdpa_by_session)
+
+
 def single(model: models.CausalLM, p: Pass) -> PassOutput:
     """A pass on its own: today's per-session forward, with the model's own mask."""
     p.session.extend(p.cache_position, p.token_ids)
@@ -126,6 +157,7 @@ def batched(model: models.CausalLM, passes: list[Pass], window: int | None,
     blocks: list[torch.Tensor] = []  # each pass's [n + t, cached + n + t] allowed keys
     parts: list[tuple[DynamicCache, int]] = []
     cached = []
+    sessions: list[tuple[int, int]] = []  # each pass's query rows and keys (attention by session)
     for p in passes:
         p.session.extend(p.cache_position, p.token_ids)
         c, n, t = p.session.length, len(p.token_ids), len(p.segment.token_ids)
@@ -135,6 +167,7 @@ def batched(model: models.CausalLM, passes: list[Pass], window: int | None,
         positions.extend(query_positions)
         blocks.append(allowed)
         parts.append((p.session.cache, n + t))
+        sessions.append((n + t, c + n + t))
         cached.append(c)
     pad = next((b for b in sorted(buckets) if b >= len(ids)), len(ids)) - len(ids)
     if pad:
@@ -142,12 +175,14 @@ def batched(model: models.CausalLM, passes: list[Pass], window: int | None,
         positions.extend([0] * pad)
         blocks.append(torch.eye(pad, dtype=torch.bool))
         parts.append((DynamicCache(), pad))
+        sessions.append((pad, pad))
     allowed = torch.block_diag(*blocks)  # type: ignore[no-untyped-call]  # [T, S]
     mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
     with_hidden = any(p.with_hidden for p in passes)
     out = model(input_ids=torch.tensor([ids], device=device), position_ids=torch.tensor([positions], device=device),
                 attention_mask=mask[None, None].to(device), cache=BatchCache(parts), use_cache=True,
-                output_hidden_states=with_hidden, logits_to_keep=torch.tensor(rows, device=device))
+                output_hidden_states=with_hidden, logits_to_keep=torch.tensor(rows, device=device),
+                tandem_sessions=tuple(sessions))
     logits = out.logits[0].float().cpu()  # [len(rows), vocab]
     hidden = out.hidden_states[-1][0, rows].float().cpu() if with_hidden else None
     outputs, start = [], 0
@@ -201,6 +236,13 @@ def batching_refusal(model: models.CausalLM) -> str | None:
     return None
 
 
+class Probe:
+    """StepScheduler.start's default: probe the model it is given."""
+
+
+PROBE = Probe()
+
+
 @dataclass
 class _Queued:
     p: Pass
@@ -243,8 +285,11 @@ class StepScheduler:
         self._model: models.CausalLM | None = None
         self._window: int | None = None
 
-    def start(self, model: models.CausalLM) -> None:
-        refusal = batching_refusal(model)
+    def start(self, model: models.CausalLM, refusal: str | None | Probe = PROBE) -> None:
+        """Serve passes of `model`; `refusal`: why its sessions cannot share a pass (None:
+        they can), when already known; by default the probe finds out."""
+        if isinstance(refusal, Probe):
+            refusal = batching_refusal(model)
         if refusal is not None and (self.max_sessions > 1 or self.buckets):
             log.warning("sessions of this model run one per forward pass, unpadded: %s", refusal)
             self.max_sessions, self.buckets = 1, ()

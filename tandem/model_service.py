@@ -15,7 +15,7 @@ import os
 import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import torch
@@ -115,6 +115,8 @@ class ModelHost:
         self.info: common_pb2.ModelInfo | None = None
         self.tokenizer: Any = None
         self.sessions = SessionTable(config.max_sessions, config.kv_budget_tokens)
+        # Why sessions cannot share a pass, where known before the model is served.
+        self.batch_refusal: str | None | batching.Probe = batching.PROBE
         self.metrics = ReplicaMetrics.for_model(config.model, config.max_sessions)
         self.scheduler = batching.StepScheduler(
             config.max_batch_sessions, config.max_batch_tokens,
@@ -137,9 +139,16 @@ class ModelHost:
                 torch.cuda.set_device(device)
             group = parallel.Group(top, device, cfg.tp_timeout_s, cfg.tp_start_timeout_s,
                                    f"model {cfg.model!r} in {dtype} over {top.size} ranks")
-        placement = models.Placement(device, dtype, cfg.max_memory, cfg.quantize,
-                                     tensor_parallel_size=top.size if top else 1)
+        placement = models.Placement(device, dtype, cfg.max_memory, tensor_parallel_size=top.size if top else 1)
         model = models.load_model(cfg.model, placement)
+        if cfg.quantize:
+            # int8-dynamic scales a pass's activations as one tensor, so a session's q moves
+            # with the sessions that share its pass: the probe could not tell that from a leak.
+            # It checks the architecture on the float weights instead. A draft's q may depend on
+            # anything but this request's acceptance draws and stays exact (it is what the draft
+            # sampled from); a target is never quantized.
+            self.batch_refusal = batching.batching_refusal(model)
+            model = models.quantize(model, replace(placement, quantize=cfg.quantize))
         if group is not None:
             group.loaded(cfg.tp_start_timeout_s)  # health stays NOT_SERVING until every rank has
         return model, dtype, group
@@ -162,7 +171,7 @@ class ModelHost:
             device=device,
         )
         self.tokenizer = tokenizer
-        self.scheduler.start(model)
+        self.scheduler.start(model, self.batch_refusal)
         self.model = model
         log.info("loaded %s on %s (%s) in %.1fs, %d threads; KV cache: %d bytes per token, budget %s",
                  self.config.model, self.info.device, self.info.dtype,

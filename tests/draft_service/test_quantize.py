@@ -17,8 +17,9 @@ import torch
 from tiny import PROMPTS, make_tokenizer
 from transformers import AutoModelForCausalLM
 
-from tandem import sampling
+from tandem import batching, sampling
 from tandem.launch import Stack, spawn, start_stack, wait_serving
+from tandem.model_service import ModelHost, ModelServiceConfig
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 pytestmark = pytest.mark.slow  # a stack of real processes per test (CI runs it)
@@ -89,3 +90,17 @@ def test_a_draft_refuses_quantize_outside_cpu_float32(tiny_draft: Path) -> None:
         process.stop()
     assert "int8-dynamic" in str(err.value) and "float32" in str(err.value)
     assert process.proc.returncode != 0
+
+
+def test_a_quantized_draft_shares_passes(tiny_draft: Path) -> None:
+    """int8-dynamic scales each pass's activations as one tensor, so the start-up probe, run on
+    the quantized model, would see sessions' q move with their pass-mates and keep one
+    session per pass (every guess of drafting ahead in a pass of its own). It probes the
+    float weights, the architecture, instead; the quantized draft batches."""
+    host = ModelHost(ModelServiceConfig(model=str(tiny_draft), quantize="int8-dynamic", threads=1))
+    host.load()
+    assert host.info is not None and host.info.dtype == "float32+int8-dynamic"
+    assert host.batch_refusal is None
+    assert host.scheduler.max_sessions == ModelServiceConfig.max_batch_sessions > 1
+    # What the probe would have said of the quantized model itself: the reason for the above.
+    assert host.model is not None and batching.batching_refusal(host.model) is not None

@@ -262,3 +262,31 @@ def test_two_sessions_do_not_fall_into_lockstep() -> None:
 
     asyncio.run(both())
     assert sum(s.sessions == 2 for s in seen) > 20, [s.sessions for s in seen]
+
+
+def test_a_batched_pass_attends_session_by_session(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each session's rows attend to its own keys only: no call sees another session's keys
+    (the masked scores between sessions are never computed), and the logits stay exact."""
+    model = llama()
+    lengths = (3, 6, 2)
+    sessions = [KVSession(f"s{i}", VOCAB) for i in range(len(lengths))]
+    batching.batched(model, [Pass(s, 0, tuple(range(2, 2 + n))) for s, n in zip(sessions, lengths, strict=True)],
+                     None)
+    seen: list[tuple[int, int]] = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(query: torch.Tensor, key: torch.Tensor, *args, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append((query.shape[-2], key.shape[-2]))
+        return sdpa(query, key, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    passes = [Pass(s, n, (7,) * (i + 1), logits_to_keep=i + 1) for i, (s, n) in enumerate(zip(sessions, lengths,
+                                                                                               strict=True))]
+    outputs = batching.batched(model, passes, None)
+    layers = model.config.num_hidden_layers
+    # One-token rows go through sdpa's grouped-query path: their heads sit in the row axis.
+    heads = model.config.num_attention_heads // model.config.num_key_value_heads
+    assert sorted(seen) == sorted([(heads, 4)] * layers + [(2, 8)] * layers + [(3, 5)] * layers)
+    for s, n, p, out in zip(sessions, lengths, passes, outputs, strict=True):
+        expected = full_pass(model, list(range(2, 2 + n)) + list(p.token_ids))[-p.logits_to_keep:]
+        assert torch.allclose(out.logits, expected, atol=TOLERANCE)
