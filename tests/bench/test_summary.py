@@ -182,3 +182,21 @@ def test_overlap_is_compared_with_the_sequential_loop_at_the_same_k() -> None:
     assert "## greedy: overlap" in text
     assert "| tandem-overlap | 9.00 | 1.50 |" in text  # 18 tokens in 2 s, against 6 tok/s
     assert "| 0.75 | 30.0 | 0.25 |" in text  # hit rate, wait per step, wait against sequential
+
+
+def test_the_overlap_table_compares_prompt_by_prompt() -> None:
+    """×sequential is the median of per-prompt ratios, as in every other table, not a ratio
+    of the modes' median speeds (which pairs one prompt's speed with another's)."""
+    def run(mode: str, prompt: str, wall_s: float) -> Run:
+        return Run(mode=mode, setting="greedy", prompt=prompt, kind="code", tokens=12, wall_s=wall_s,
+                   ttft_s=0.0, token_ids=list(range(12)), drafted=8, accepted=6, passes=3,
+                   draft_ms=100.0, target_ms=300.0, total_ms=wall_s * 1000, rejected=1)
+
+    # tok/s, sequential 6, 9, 12 and overlapped 12, 9, 12: per prompt 2x, 1x, 1x.
+    runs = [run("tandem-sequential", p, 12 / s) for p, s in (("a", 6), ("b", 9), ("c", 12))]
+    runs += [run("tandem-overlap", p, 12 / s) for p, s in (("a", 12), ("b", 9), ("c", 12))]
+    meta = {"started": "now", "command": "tandem bench", "num_prompts": 3, "max_new_tokens": 12,
+            "k": 4, "target_dtype": "float32", "cheap_draft": "float32", "threads": 1,
+            "matches": {}, "peak_rss_mb": {}}
+    assert summarize(runs)["greedy"]["tandem-overlap"]["speedup_vs_tandem_sequential"] == pytest.approx(1.0)
+    assert "| tandem-overlap | 12.00 | 1.00 |" in markdown(summarize(runs), meta)  # not 12/9 = 1.33
