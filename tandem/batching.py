@@ -236,6 +236,17 @@ def batching_refusal(model: models.CausalLM) -> str | None:
     return None
 
 
+class PassAborted(Exception):
+    """Every step waiting on the running pass was cancelled: it stops at the next layer."""
+
+
+def decoder_layers(model: Any) -> list[torch.nn.Module]:
+    """The model's decoder layers, where a pass may stop between two of them; none for a
+    tensor-parallel rank 0 (`Lockstep`, not a module: every rank must finish each call)."""
+    layers = getattr(getattr(model, "model", None), "layers", None) if isinstance(model, torch.nn.Module) else None
+    return list(layers) if isinstance(layers, torch.nn.ModuleList) else []
+
+
 class Probe:
     """StepScheduler.start's default: probe the model it is given."""
 
@@ -284,6 +295,7 @@ class StepScheduler:
         self._ready = threading.Condition()
         self._model: models.CausalLM | None = None
         self._window: int | None = None
+        self._running: list[_Queued] = []  # the pass on the worker now
 
     def start(self, model: models.CausalLM, refusal: str | None | Probe = PROBE) -> None:
         """Serve passes of `model`; `refusal`: why its sessions cannot share a pass (None:
@@ -294,7 +306,18 @@ class StepScheduler:
             log.warning("sessions of this model run one per forward pass, unpadded: %s", refusal)
             self.max_sessions, self.buckets = 1, ()
         self._model, self._window = model, models.sliding_window(model)
+        for layer in decoder_layers(model):
+            layer.register_forward_pre_hook(self._stop_if_unwanted)
         threading.Thread(target=self._run, name="forward", daemon=True).start()
+
+    def _stop_if_unwanted(self, module: torch.nn.Module, args: Any) -> None:
+        """Before each layer: a pass nobody waits for any more (its steps were cancelled, as
+        drafting ahead's guesses are when the outcome rules them out) stops here rather than
+        delay the pass that replaces it by the rest of its layers."""
+        running = self._running
+        # Future.cancelled() only reads the future's state: safe from this thread.
+        if running and all(q.future.cancelled() for q in running):
+            raise PassAborted
 
     @property
     def depth(self) -> int:
@@ -341,20 +364,24 @@ class StepScheduler:
         session is cut back to where it was and its pass runs alone, so one bad pass costs
         only its own step."""
         assert self._model is not None
-        if len(live) == 1 and not self.buckets:
-            try:
-                return [single(self._model, live[0].p)]
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiting step
-                return [exc]
         before = [min(q.p.session.length, q.p.cache_position)
                   for q in live]
+        self._running = live
         try:
+            if len(live) == 1 and not self.buckets:
+                return [single(self._model, live[0].p)]
             return list(batched(self._model, [q.p for q in live], self._window, self.buckets))
-        except BaseException as exc:  # noqa: BLE001 - retried one by one below
+        except PassAborted as exc:  # every step it served is gone: leave the caches as they were
+            for q, length in zip(live, before, strict=True):
+                _cut(q.p.session.cache, length)
+            return [exc] * len(live)
+        except BaseException as exc:  # noqa: BLE001 - handed to the step; a shared pass: retried below
             if len(live) == 1:
                 return [exc]
             log.warning("a shared pass of %d sessions failed (%s); running them one at a time",
                         len(live), exc)
+        finally:
+            self._running = []
         outputs: list[PassOutput | BaseException] = []
         for q, length in zip(live, before, strict=True):
             try:

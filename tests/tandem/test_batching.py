@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 
 import pytest
 import torch
@@ -290,3 +291,64 @@ def test_a_batched_pass_attends_session_by_session(monkeypatch: pytest.MonkeyPat
     for s, n, p, out in zip(sessions, lengths, passes, outputs, strict=True):
         expected = full_pass(model, list(range(2, 2 + n)) + list(p.token_ids))[-p.logits_to_keep:]
         assert torch.allclose(out.logits, expected, atol=TOLERANCE)
+
+
+@pytest.mark.parametrize("sessions", [1, 3])
+def test_a_pass_nobody_waits_for_stops_at_the_next_layer(sessions: int) -> None:
+    """Cancelled while it runs (drafting ahead's guesses, once the outcome rules them out), a
+    pass stops before its next layer: the layers after it never run, every cache is as it was,
+    and the next pass is exact."""
+    model = LlamaForCausalLM(LlamaConfig(**{**SMALL, "num_hidden_layers": 4})).eval()
+    scheduler = StepScheduler(max_sessions=8, max_tokens=64)
+    scheduler.start(model)
+    entered, release = threading.Event(), threading.Event()
+    ran: list[int] = []
+    for i, layer in enumerate(model.model.layers):
+        def hook(module, args, i=i):  # type: ignore[no-untyped-def]
+            ran.append(i)
+            if i == 0 and not release.is_set():
+                entered.set()
+                release.wait(10)
+        layer.register_forward_pre_hook(hook)
+    prompts = [[3 + s, 4, 5] for s in range(sessions)]
+    held = [KVSession(f"s{s}", VOCAB) for s in range(sessions)]
+
+    async def run() -> None:
+        for session, prompt in zip(held, prompts, strict=True):
+            await scheduler(Pass(session, 0, tuple(prompt)))
+        release.clear()
+        ran.clear()
+        steps = [asyncio.ensure_future(scheduler(Pass(s, 3, (6, 7)))) for s in held]
+        while not entered.is_set():  # the pass is on its first layer
+            await asyncio.sleep(0.001)
+        for step in steps:
+            step.cancel()
+        await asyncio.sleep(0)
+        release.set()
+        while any(s.pending for s in held):
+            await asyncio.sleep(0.001)
+        assert ran == [0]  # layers 1-3 never ran
+        assert [s.length for s in held] == [3] * sessions
+        for session, prompt in zip(held, prompts, strict=True):
+            out = await scheduler(Pass(session, 3, (8,)))
+            assert torch.allclose(out.logits, full_pass(model, [*prompt, 8])[-1:], atol=TOLERANCE)
+
+    release.set()
+    asyncio.run(run())
+
+
+def test_a_pass_someone_still_waits_for_runs_to_the_end() -> None:
+    model = llama()
+    scheduler = StepScheduler(max_sessions=8, max_tokens=64)
+    scheduler.start(model)
+
+    async def run() -> None:
+        a, b = KVSession("a", VOCAB), KVSession("b", VOCAB)
+        gone = asyncio.ensure_future(scheduler(Pass(a, 0, (3, 4))))
+        kept = asyncio.ensure_future(scheduler(Pass(b, 0, (5, 6))))
+        await asyncio.sleep(0)
+        gone.cancel()
+        out = await kept
+        assert torch.allclose(out.logits, full_pass(model, [5, 6])[-1:], atol=TOLERANCE)
+
+    asyncio.run(run())
