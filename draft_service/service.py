@@ -3,7 +3,7 @@
 After answering a step that asks for it (draft_ahead_tokens), a session drafts ahead on its
 own task while the target verifies: see draft_service/proposer.py. The next step stops that
 task before it starts, at once when its history left the guessed branch (a queued pass is
-skipped; a running one cannot be interrupted), or after the pass under way when it matches.
+skipped; a running one stops at its next layer), or after the pass under way when it matches.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ class Ahead:
         if not hit:
             self.task.cancel()  # off the branch: a queued pass is skipped
         await asyncio.wait([self.task])
-        while session.pending or self.guesses.pending:  # a pass already running finishes first
+        while session.pending or self.guesses.pending:  # a running pass finishes, or stops at its next layer
             await asyncio.sleep(0.001)
         session.ahead = False
         return self.guesses.drafted, hit
