@@ -7,6 +7,8 @@ The same greedy requests (HumanEval prompts, EOS ignored, a fixed number of toke
   the way every service ran before the step scheduler;
 - batched k=0: the target alone, every ready session in one pass;
 - batched speculation: the draft model under the adaptive policy, both services batching.
+- batched speculation+fleet (only when named in --modes): the same, with the orchestrator
+  measuring whether drafting pays under load (--fleet-probe-s 4).
 
 Per point: tokens/s (all completion tokens over the wall time), p50/p99 time to first
 token, p50/p99 inter-token latency (the gap before each streamed delta, spread over its
@@ -35,10 +37,13 @@ from tandem.launch import Process, start_stack
 from tandem.server import CHANNEL_OPTIONS
 from tandem.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 
-MODES = {  # name: (services' flags, draft model used, k per request: None = the policy's)
-    "per-session k=0": (["--max-batch-sessions", "1"], False, 0),
-    "batched k=0": ([], False, 0),
-    "batched speculation": ([], True, None),
+MODES = {  # name: (services' flags, draft model used, k per request: None = the policy's,
+    #        the orchestrator's flags)
+    "per-session k=0": (["--max-batch-sessions", "1"], False, 0, []),
+    "batched k=0": ([], False, 0, []),
+    "batched speculation": ([], True, None, []),
+    # The same, with the fleet measuring whether drafting pays under load (--fleet-probe-s).
+    "batched speculation+fleet": ([], True, None, ["--fleet-probe-s", "4"]),
 }
 
 
@@ -106,11 +111,12 @@ def sweep(draft: str, target: str, *, draft_args: Sequence[str], target_args: Se
              for p in bench_prompts(num_code=max(*concurrency, min_requests), num_prose=0)]
     points = []
     for mode in modes:
-        flags, drafting, k = MODES[mode]
+        flags, drafting, k, orchestrator_flags = MODES[mode]
         metrics = ["--metrics-port", "0"]
         stack = start_stack(draft if drafting else None, target, threads=threads,
                             draft_args=[*draft_args, *flags, *metrics],
-                            target_args=[*target_args, *flags, *metrics])
+                            target_args=[*target_args, *flags, *metrics],
+                            orchestrator_args=orchestrator_flags)
         try:
             asyncio.run(_drive(stack.address, texts[:1], 1, 4, k))  # warm-up
             for clients in concurrency:
@@ -186,7 +192,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--min-requests", type=int, default=4, help="requests per point, at least")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per service")
-    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--modes", default=",".join(m for m in MODES if not m.endswith("+fleet")))
     parser.add_argument("--prompt-chars", type=int, default=0,
                         help="keep only each prompt's last N characters (0: whole prompts)")
     parser.add_argument("--out", default="", help="directory for the results")

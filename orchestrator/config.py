@@ -37,6 +37,11 @@ class OrchestratorConfig(ServerSecurityConfig):
                                      "and costs (falls to 0 when speculation does not pay); fixed: "
                                      "always k. A request that sets num_speculative_tokens gets fixed k")
     max_speculative_tokens: int = option(16, "largest k a request may ask for")
+    fleet_probe_s: float = option(0.0, "adaptive policy under concurrent load: every this many "
+                                  "seconds of decoding with and without drafting, measure the "
+                                  "tokens each request commits per second, and keep the better "
+                                  "for --fleet-keep-s (0: off; the per-step cost model alone)")
+    fleet_keep_s: float = option(60.0, "how long the fleet keeps the regime it measured best")
     overlap: str = option("on", "on: the draft drafts the next block while the target verifies "
                           "this one, guessing full acceptance (exact either way); off: draft and "
                           "target take turns")

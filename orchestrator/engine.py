@@ -34,7 +34,7 @@ from orchestrator.domain import (
     Usage,
     check_proposer,
 )
-from orchestrator.policy import POLICIES, CostModel
+from orchestrator.policy import POLICIES, CostModel, FleetRegime
 from orchestrator.proposers import DraftModelProposer, PromptLookupProposer, Proposer
 from orchestrator.remote import (
     DRAFT_STUB,
@@ -104,6 +104,9 @@ class Engine:
         self.targets: ReplicaPool | None = None
         if config.overlap not in ("on", "off"):
             raise ValueError(f"--overlap must be on or off, got {config.overlap!r}")
+        if config.fleet_probe_s < 0 or config.fleet_keep_s <= 0:
+            raise ValueError(f"--fleet-probe-s must be >= 0 (0: off) and --fleet-keep-s > 0, got "
+                             f"{config.fleet_probe_s} and {config.fleet_keep_s}")
         if config.speculation_policy not in POLICIES:
             raise ValueError(f"--speculation-policy must be one of {POLICIES}")
         if config.max_speculative_tokens > MAX_BLOCK_TOKENS:
@@ -124,7 +127,7 @@ class Engine:
             raise ValueError("--proposer draft-model needs draft replicas (--draft or "
                              "--draft-service-name)")
         # Acceptance and draft cost differ per proposer; verify costs are the target's, shared.
-        target_costs = CostModel()
+        target_costs = CostModel(fleet=FleetRegime(config.fleet_probe_s, config.fleet_keep_s))
         self.costs: dict[str, CostModel] = collections.defaultdict(target_costs.for_proposer)
         self.default_proposer = config.proposer or ("draft-model" if self.has_drafts else "none")
         self.admission = Admission(config.max_concurrent_requests, config.max_queued_requests)
@@ -362,8 +365,11 @@ class Engine:
         usage = Usage(proposer=proposer.name if proposer else target_proposer or "none",
                       prompt_tokens=len(gen.prompt_token_ids))
         reason = FinishReason.LENGTH
+        costs = self.costs[usage.proposer]
+        costs.fleet.enter()
         try:
-            async for step in speculate(gen, proposer, target, self.costs[usage.proposer]):
+            async for step in speculate(gen, proposer, target, costs):
+                costs.fleet.record(len(step.token_ids))
                 kept = text.add_all(step.token_ids)
                 usage = usage.fold(step, kept)
                 _observe(step, first=usage.target_forward_passes == 1, started=started)
@@ -382,6 +388,7 @@ class Engine:
             wire_bytes = target.wire_bytes + (proposer.wire_bytes if proposer else 0)
             yield Summary(reason, usage, wire_bytes, (time.perf_counter() - started) * 1000.0)
         finally:
+            costs.fleet.leave()
             metrics.observe_tokens(prompt=usage.prompt_tokens, completion=usage.completion_tokens)
             await target.close()
             if proposer is not None:

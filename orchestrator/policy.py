@@ -29,6 +29,8 @@ Whatever k is chosen, the output is exact: the policy changes speed, never token
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from orchestrator.domain import PassLoad
@@ -83,6 +85,79 @@ def expected_tokens(alpha: float, k: float) -> float:
 
 
 @dataclass
+class FleetRegime:
+    """Whether drafting pays for the whole fleet, measured rather than modelled.
+
+    Under concurrent load the per-step cost model misses what sessions do to each other:
+    a session at the draft is not in the target's next pass, so speculation thins the
+    passes it is costed against, and a draft sharing the target's hardware slows the
+    target's passes. So while two or more requests run, the orchestrator alternates: every
+    session decodes without drafting for `probe_s`, then with the per-step policy for
+    `probe_s`; whichever committed more tokens per session-second is kept for `keep_s`,
+    then it is measured again (at once when the number of requests has doubled or halved
+    since). With one request the per-step policy alone decides. Output never changes.
+    """
+
+    probe_s: float = 0.0  # 0: off (the per-step policy alone)
+    keep_s: float = 60.0
+    clock: Callable[[], float] = time.monotonic
+    active: int = 0  # requests running now
+    phase: str = "policy"  # "policy": the per-step policy chooses k; "plain": k = 0
+    probing: bool = False
+    until: float = 0.0  # when the phase ends
+    decided_at: int = 0  # requests running when the kept phase was chosen (0: never)
+    rates: dict[str, float] = field(default_factory=dict)  # tokens per session-second, by phase
+    _tokens: float = 0.0
+    _session_s: float = 0.0
+    _last: float | None = None
+
+    def _tick(self) -> float:
+        now = self.clock()
+        if self._last is not None:
+            self._session_s += self.active * (now - self._last)
+        self._last = now
+        return now
+
+    def enter(self) -> None:
+        self._tick()
+        self.active += 1
+
+    def leave(self) -> None:
+        self._tick()
+        self.active -= 1
+
+    def record(self, tokens: int) -> None:
+        """A step of some request committed `tokens`."""
+        self._tick()
+        self._tokens += tokens
+
+    def plain(self) -> bool:
+        """Whether steps now decode without drafting."""
+        now = self._tick()
+        if self.active < 2 or self.probe_s <= 0:
+            self.phase, self.probing, self.decided_at = "policy", False, 0
+            return False
+        moved = self.decided_at and not self.decided_at / 2 < self.active < self.decided_at * 2
+        if not self.probing and (now >= self.until or moved):
+            self._start("plain", now, probing=True)  # measure both again, plain first
+        elif self.probing and now >= self.until:
+            if self._session_s > 0:
+                self.rates[self.phase] = self._tokens / self._session_s
+            if self.phase == "plain":
+                self._start("policy", now, probing=True)
+            else:
+                best = max(self.rates, key=lambda phase: self.rates[phase])
+                self._start(best, now, probing=False)
+                self.decided_at = self.active
+        return self.phase == "plain"
+
+    def _start(self, phase: str, now: float, probing: bool) -> None:
+        self.phase, self.probing = phase, probing
+        self.until = now + (self.probe_s if probing else self.keep_s)
+        self._tokens = self._session_s = 0.0
+
+
+@dataclass
 class CostModel:
     """Running costs of this deployment, shared by all requests of one orchestrator."""
 
@@ -94,6 +169,7 @@ class CostModel:
     # one at the replica; shared like verify_ms.
     batch_sessions: Ema = field(default_factory=lambda: Ema(weight=0.2))
     queue_depth: Ema = field(default_factory=lambda: Ema(weight=0.2))
+    fleet: FleetRegime = field(default_factory=FleetRegime)  # shared by every proposer
 
     def verify(self, tokens: int) -> float | None:
         """v(tokens), or the nearest smaller measured pass (optimism); None: nothing that small."""
@@ -115,7 +191,8 @@ class CostModel:
         """A cost model for another proposer: its own draft cost and acceptance, but this
         deployment's target, so the same verify, load and overhead measurements."""
         return CostModel(verify_ms=self.verify_ms, overhead_ms=self.overhead_ms,
-                         batch_sessions=self.batch_sessions, queue_depth=self.queue_depth)
+                         batch_sessions=self.batch_sessions, queue_depth=self.queue_depth,
+                         fleet=self.fleet)
 
     def observe(self, k: int, accepted: int, draft_ms: float, verify_ms: float, step_ms: float,
                 verify_tokens: int, load: PassLoad | None = None) -> None:
@@ -157,6 +234,8 @@ class Speculation:
         cap = max(0, min(self.max_k, remaining - 1))
         if self.policy == "fixed" or cap == 0:
             return cap
+        if self.costs.fleet.plain():
+            return 0
         t_draft = self.costs.draft_ms_per_token.value
         if t_draft is None:
             return cap  # nothing measured yet: speculate, and learn

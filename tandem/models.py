@@ -340,7 +340,7 @@ def quantize(model: CausalLM, placement: Placement) -> CausalLM:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # torch deprecates quantized tensors, not this path yet
         quantized: CausalLM = quantize_dynamic(  # type: ignore[no-untyped-call]
-            model, {torch.nn.Linear}, dtype=torch.qint8)
+            model, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)  # no float copy alongside
     return quantized
 
 

@@ -86,3 +86,25 @@ def test_sampled_law_holds_while_sessions_share_the_batch(tiny_dir: Path) -> Non
     finally:
         stack.stop()
 
+
+def test_the_fleet_switching_regimes_under_load_changes_no_token(tiny_draft: Path, tiny_target: Path) -> None:
+    """--fleet-probe-s: while requests run together, the orchestrator alternates decoding with
+    and without drafting (probes of 0.2 s here) and keeps the better; every request's greedy
+    output stays the target's own (the switching itself: tests/orchestrator/test_policy.py)."""
+    stack = start_stack(str(tiny_draft), str(tiny_target), draft_args=METRICS, target_args=METRICS,
+                        orchestrator_args=["--fleet-probe-s", "0.2", "--fleet-keep-s", "0.5"])
+    try:
+        prompts = [random_prompts(30, 1, 5 + i, seed=100 + i)[0] for i in range(6)]
+
+        def request(i: int) -> tuple[list[int], int]:
+            with stack.client() as client:
+                reply = client.generate(prompts[i], max_new_tokens=60, ignore_eos=True)
+                return list(reply.token_ids), reply.usage.drafted_tokens
+
+        with ThreadPoolExecutor(max_workers=6) as pool:
+            results = list(pool.map(request, range(6)))
+        for prompt, (tokens, _) in zip(prompts, results, strict=True):
+            assert tokens == greedy_reference(tiny_target, prompt, 60)
+        assert sum(drafted for _, drafted in results) > 0  # the policy's regime drafted
+    finally:
+        stack.stop()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.policy import Acceptance, CostModel, Speculation, expected_tokens
+from orchestrator.policy import Acceptance, CostModel, FleetRegime, Speculation, expected_tokens
 
 
 def measured(draft_ms: float, verify: dict[int, float], alpha: float) -> CostModel:
@@ -162,3 +162,77 @@ def test_a_long_queue_does_not_make_speculation_look_cheap() -> None:
     for _ in range(30):  # a step now waits behind 200 ms of other sessions' passes
         costs.observe(0, 0, 0.0, 216.0, 216.0, 1, PassLoad(16, 16, 16.0, queue_depth=200))
     assert Speculation("adaptive", 4, costs).choose(remaining=100) == 0
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def run_fleet(fleet: FleetRegime, clock: Clock, seconds: float, tokens_per_s: dict[bool, float]) -> list[bool]:
+    """Every running request commits tokens at the rate of the phase it finds, each 0.1 s;
+    returns whether each step decoded plain."""
+    seen = []
+    for _ in range(int(seconds * 10)):
+        plain = fleet.plain()
+        seen.append(plain)
+        clock.now += 0.1
+        for _ in range(fleet.active):
+            fleet.record(round(tokens_per_s[plain] * 0.1))
+    return seen
+
+
+@pytest.mark.parametrize("plain_wins", [True, False])
+def test_the_fleet_keeps_whichever_regime_commits_more(plain_wins: bool) -> None:
+    clock = Clock()
+    fleet = FleetRegime(probe_s=2.0, keep_s=20.0, clock=clock)
+    for _ in range(8):
+        fleet.enter()
+    rates = {True: 20.0, False: 10.0} if plain_wins else {True: 10.0, False: 20.0}
+    probes = run_fleet(fleet, clock, 4.0, rates)
+    assert probes[:20] == [True] * 20 and probes[20:] == [False] * 20  # plain, then the policy
+    kept = run_fleet(fleet, clock, 20.0, rates)
+    assert set(kept[1:-1]) == {plain_wins}
+    assert fleet.rates[("plain" if plain_wins else "policy")] > fleet.rates[("policy" if plain_wins else "plain")]
+    assert run_fleet(fleet, clock, 0.2, rates)[-1] is True  # kept long enough: measured again
+
+
+def test_one_request_is_the_per_step_policys_alone() -> None:
+    clock = Clock()
+    fleet = FleetRegime(probe_s=1.0, clock=clock)
+    fleet.enter()
+    assert not any(run_fleet(fleet, clock, 10.0, {True: 10.0, False: 1.0}))
+    costs = measured(draft_ms=10, verify={1: 100, 2: 100, 3: 100, 4: 100, 5: 100}, alpha=0.9)
+    assert Speculation("adaptive", 4, costs).choose(remaining=100) == 4
+
+
+def test_a_doubled_load_is_measured_again_at_once() -> None:
+    clock = Clock()
+    fleet = FleetRegime(probe_s=1.0, keep_s=100.0, clock=clock)
+    for _ in range(4):
+        fleet.enter()
+    run_fleet(fleet, clock, 2.1, {True: 10.0, False: 20.0})
+    assert not fleet.plain() and not fleet.probing  # the policy won, kept for 100 s
+    for _ in range(4):
+        fleet.enter()
+    assert fleet.plain() and fleet.probing
+
+
+def test_under_a_plain_phase_the_adaptive_policy_drafts_nothing_and_a_fixed_k_is_kept() -> None:
+    costs = measured(draft_ms=10, verify={1: 100, 2: 100, 3: 100, 4: 100, 5: 100}, alpha=0.9)
+    costs.fleet = FleetRegime(probe_s=1.0)
+    costs.fleet.enter()
+    costs.fleet.enter()
+    assert costs.for_proposer().fleet is costs.fleet  # one fleet for every proposer
+    assert Speculation("adaptive", 4, costs).choose(remaining=100) == 0  # probing plain first
+    assert Speculation("fixed", 4, costs).choose(remaining=100) == 4
+
+
+def test_the_fleet_regime_is_off_unless_asked_for() -> None:
+    fleet = FleetRegime()
+    for _ in range(8):
+        fleet.enter()
+    assert not fleet.plain()
