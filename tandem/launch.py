@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -11,6 +12,7 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TextIO
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -76,19 +78,32 @@ class Process:
         return self.proc.wait()
 
 
+# Held while a service is forked (see spawn); a service releases them as it starts.
+HELD_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+
 def spawn(argv: Sequence[str], env: dict[str, str] | None = None, port: int = 0,
           host: str = "127.0.0.1", log_file: Path | None = None) -> Process:
     """Run `tandem <argv>` on host:port (0: a free port); return once it prints its address.
 
     Its output is kept in `Process.lines`, and also written to `log_file` when given."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tandem.cli", *argv, "--host", host, "--port", str(port)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, **(env or {})},
-    )
+    # A SIGINT or SIGTERM that lands inside Popen, after the fork, would leave a child that no
+    # one knows of (found by tandem up stopped while it starts its services): hold both until
+    # `proc` exists and the handler below can stop it. The child starts with them held too;
+    # tandem.cli releases them first thing.
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, HELD_SIGNALS)
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tandem.cli", *argv, "--host", host, "--port", str(port)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env={**os.environ, **(env or {})},
+        )
+    except BaseException:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+        raise
     assert proc.stdout is not None
     lines: list[str] = []
-    log = open(log_file, "w", buffering=1) if log_file else None  # noqa: SIM115 - the reader closes it
+    log: TextIO | None = None
 
     def keep(line: str) -> None:
         lines.append(line)
@@ -102,6 +117,8 @@ def spawn(argv: Sequence[str], env: dict[str, str] | None = None, port: int = 0,
             log.close()
 
     try:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)  # a signal held meanwhile lands here
+        log = open(log_file, "w", buffering=1) if log_file else None  # noqa: SIM115 - the reader closes it
         for line in proc.stdout:
             keep(line)
             if " listening on " in line:

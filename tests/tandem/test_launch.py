@@ -15,7 +15,7 @@ import pytest
 from fakes import Output, stop
 from replicas import alive, children
 
-from tandem.launch import start_stack
+from tandem.launch import spawn, start_stack
 
 pytestmark = pytest.mark.slow  # real processes, tandem up and stacks, per test (CI runs it)
 
@@ -92,3 +92,22 @@ def test_tandem_up_exits_nonzero_when_a_service_dies(tiny_draft: Path, tiny_targ
         output.closed.wait(timeout=10)
         assert "the target service exited" in output.text
         assert not any(map(alive, kids))
+
+
+def _blocked(pid: int | str) -> int:
+    """The signal mask of a process (or of this thread: "thread-self")."""
+    status = (Path("/proc") / str(pid) / "status").read_text()
+    return int(next(line for line in status.splitlines() if line.startswith("SigBlk:")).split()[1], 16)
+
+
+def test_spawn_holds_sigint_and_sigterm_only_while_it_forks(tiny_target: Path) -> None:
+    """spawn holds SIGINT and SIGTERM while Popen forks (so a stop cannot orphan a half-started
+    service); afterwards the caller has them again, and the service takes them at start-up, so
+    it stops on SIGTERM as before."""
+    bits = (1 << (signal.SIGINT - 1)) | (1 << (signal.SIGTERM - 1))
+    process = spawn(["target-service", "--model", str(tiny_target)])
+    try:
+        assert not _blocked("thread-self") & bits
+        assert not _blocked(process.proc.pid) & bits
+    finally:
+        assert process.stop(sig_timeout=60) == 0  # a graceful drain, not a kill
