@@ -45,6 +45,7 @@ MODES = {  # name: (services' flags, draft model used, k per request: None = the
     # The same, with the fleet measuring whether drafting pays under load (--fleet-probe-s).
     "batched speculation+fleet": ([], True, None, ["--fleet-probe-s", "4"]),
 }
+DEFAULT_MODES = ("per-session k=0", "batched k=0", "batched speculation")
 
 
 @dataclass
@@ -192,7 +193,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--min-requests", type=int, default=4, help="requests per point, at least")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per service")
-    parser.add_argument("--modes", default=",".join(m for m in MODES if not m.endswith("+fleet")))
+    parser.add_argument("--modes", default=",".join(DEFAULT_MODES))
     parser.add_argument("--prompt-chars", type=int, default=0,
                         help="keep only each prompt's last N characters (0: whole prompts)")
     parser.add_argument("--out", default="", help="directory for the results")

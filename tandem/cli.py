@@ -487,8 +487,9 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    # tandem.launch.spawn forks services with SIGINT and SIGTERM held; a service takes them here.
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+    from tandem.launch import HELD_SIGNALS
+
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, HELD_SIGNALS)  # spawn forks services with them held
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:  # the benchmark has its own flags: tandem bench --help
         from bench.run import main as bench_main
