@@ -11,7 +11,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, MutableMapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,22 @@ from tandem.security import (
 )
 
 log = logging.getLogger("tandem.cli")
+
+# Set for every process the `tandem` command starts, before anything loads torch (its OpenMP
+# runtime reads them once, at load); a value the user exported wins.
+# OMP_WAIT_POLICY=PASSIVE: a thread that waits for work sleeps instead of spinning. Services
+# sharing cores (a draft beside its target, as `tandem up` and the load bench run them) each
+# run a thread pool; spinning threads take the cores from the other service's working ones.
+# Measured on this project's 2-core CPU, both services at 2 threads, a target pass while the
+# draft runs passes: 1016 ms spinning against 565 ms passive (353 and 331 ms alone), and the
+# draft's 224 against 83 ms (docs/BENCHMARKS.md, "Threads that wait").
+PROCESS_ENV_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def apply_process_defaults(environ: MutableMapping[str, str]) -> None:
+    """PROCESS_ENV_DEFAULTS, where `environ` does not set them."""
+    for name, value in PROCESS_ENV_DEFAULTS.items():
+        environ.setdefault(name, value)
 
 
 def _serve_model(args: argparse.Namespace, label: str) -> None:
@@ -487,6 +503,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    apply_process_defaults(os.environ)  # first: nothing has loaded torch yet
     from tandem.launch import HELD_SIGNALS
 
     signal.pthread_sigmask(signal.SIG_UNBLOCK, HELD_SIGNALS)  # spawn forks services with them held

@@ -128,6 +128,8 @@ class ModelHost:
         cfg, top = self.config, self.tensor_parallel
         if cfg.threads > 0:
             torch.set_num_threads(cfg.threads)
+        log.info("CPU threads: %d, OMP_WAIT_POLICY=%s", torch.get_num_threads(),
+                 os.environ.get("OMP_WAIT_POLICY", "(unset)"))
         dtype = cfg.dtype
         if dtype == models.AUTO_DTYPE:  # int8-dynamic quantizes float32 weights
             dtype = "float32" if cfg.quantize else models.auto_dtype(cfg.model, cfg.device)
