@@ -9,7 +9,7 @@ The same greedy requests (HumanEval prompts, EOS ignored, a fixed number of toke
 - batched speculation: the draft model under the adaptive policy, both services batching.
 - batched speculation+fleet (only when named in --modes): the same, with the orchestrator
   measuring whether drafting pays under load (--fleet-probe-s 4);
-- batched speculation, overlap off (likewise): the same, taking turns (--overlap off).
+- batched speculation no-overlap (likewise): the same, taking turns (--overlap off).
 
 Per point: tokens/s (all completion tokens over the wall time), p50/p99 time to first
 token, p50/p99 inter-token latency (the gap before each streamed delta, spread over its
@@ -46,7 +46,7 @@ MODES = {  # name: (services' flags, draft model used, k per request: None = the
     # The same, with the fleet measuring whether drafting pays under load (--fleet-probe-s).
     "batched speculation+fleet": ([], True, None, ["--fleet-probe-s", "4"]),
     # The same without drafting ahead: on shared cores the guesses take the target's cycles.
-    "batched speculation, overlap off": ([], True, None, ["--overlap", "off"]),
+    "batched speculation no-overlap": ([], True, None, ["--overlap", "off"]),
 }
 DEFAULT_MODES = ("per-session k=0", "batched k=0", "batched speculation")
 
