@@ -42,9 +42,10 @@ class OrchestratorConfig(ServerSecurityConfig):
                                   "tokens each request commits per second, and keep the better "
                                   "for --fleet-keep-s (0: off; the per-step cost model alone)")
     fleet_keep_s: float = option(60.0, "how long the fleet keeps the regime it measured best")
-    overlap: str = option("on", "on: the draft drafts the next block while the target verifies "
-                          "this one, guessing full acceptance (exact either way); off: draft and "
-                          "target take turns")
+    overlap: str = option("auto", "on: the draft drafts the next block while the target verifies "
+                          "this one, guessing its outcomes (exact either way); off: draft and "
+                          "target take turns; auto: on unless a draft replica shares a target "
+                          "replica's hardware (one machine, overlapping CPUs or the same GPU)")
     max_support_size: int = option(8, "K: support of each draft distribution sent over the wire")
     proposer: str = option("", "default proposer: draft-model, prompt-lookup, lookahead, medusa or "
                            "none (empty: draft-model when draft replicas are configured, else none)")

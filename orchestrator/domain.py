@@ -73,6 +73,19 @@ class ModelInfo:
     max_context_tokens: int  # 0: unbounded
     eos_token_ids: tuple[int, ...]
     proposers: frozenset[str] = frozenset()  # the proposers it runs in its own pass
+    device: str = ""  # "cpu", "cuda:0", ...
+    boot_id: str = ""  # its machine's boot id ("": unknown)
+    cpu_ids: frozenset[int] = frozenset()  # the CPUs its threads may run on
+
+
+def shares_compute(a: ModelInfo, b: ModelInfo) -> bool:
+    """Whether two replicas compute on the same hardware: one machine, and the same GPU or
+    (both on the CPU) overlapping CPUs. Unknown machines count as separate."""
+    if not a.boot_id or a.boot_id != b.boot_id:
+        return False
+    if a.device.startswith("cpu") and b.device.startswith("cpu"):
+        return bool(a.cpu_ids & b.cpu_ids)
+    return a.device == b.device
 
 
 @dataclass(frozen=True)

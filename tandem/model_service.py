@@ -31,6 +31,17 @@ from tandem.server import MAX_MESSAGE_BYTES, handle_errors
 from tandem.v1 import common_pb2
 
 log = logging.getLogger(__name__)
+
+BOOT_ID = "/proc/sys/kernel/random/boot_id"
+
+
+def boot_id() -> str:
+    """This machine's boot id, shared by every process and container on it ("" where unknown)."""
+    try:
+        with open(BOOT_ID) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
 R = TypeVar("R")
 # How long a step waits for room in the KV budget held by running passes before RESOURCE_EXHAUSTED.
 BUDGET_WAIT_S = 30.0
@@ -171,6 +182,8 @@ class ModelHost:
             eos_token_ids=models.eos_token_ids(model, tokenizer),
             dtype=dtype + (f"+{self.config.quantize}" if self.config.quantize else ""),
             device=device,
+            boot_id=boot_id(),
+            cpu_ids=sorted(os.sched_getaffinity(0)),
         )
         self.tokenizer = tokenizer
         self.scheduler.start(model, self.batch_refusal)

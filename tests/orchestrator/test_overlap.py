@@ -10,6 +10,7 @@ nothing and leave nothing behind.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -130,3 +131,36 @@ def test_a_cancelled_request_frees_its_branches(agreeing: Stack) -> None:
             stream.cancel()
     wait_for_baseline(agreeing, baseline)  # sessions and cached tokens, tails included
     wait_for(lambda: held_ahead(agreeing) == 0, "no branch is held")
+
+
+def _ahead_steps(stack: Stack) -> int:
+    """Decode steps that drafted ahead (a hit or a miss) over a few requests."""
+    steps = 0
+    with stack.client() as client:
+        for prompt in PROMPTS[:2]:
+            usage = client.generate(prompt, max_new_tokens=LENGTH, num_speculative_tokens=4,
+                                    ignore_eos=True).usage
+            steps += usage.draft_cache_hits + usage.draft_cache_misses
+    return steps
+
+
+@pytest.mark.parametrize("pinned", [False, True])
+def test_overlap_auto_drafts_ahead_only_on_hardware_of_its_own(tiny_draft: Path, tiny_target: Path,
+                                                             pinned: bool) -> None:
+    # auto, the default: a draft on the target's CPUs takes turns (its guesses would take the
+    # verify's cycles); pinned to a CPU of its own, it drafts ahead.
+    if pinned and len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs two CPUs to pin the draft and the target apart")
+    cpus = sorted(os.sched_getaffinity(0))
+    draft_args = ["--cpu-affinity", str(cpus[0])] if pinned else []
+    target_args = ["--cpu-affinity", str(cpus[1])] if pinned else []
+    stack = start_stack(str(tiny_draft), str(tiny_target), draft_args=draft_args, target_args=target_args)
+    try:
+        ahead = _ahead_steps(stack)
+        said = any("shares the target's hardware" in line for line in stack.orchestrator.lines)
+        if pinned:
+            assert ahead > 0 and not said
+        else:
+            assert ahead == 0 and said
+    finally:
+        stack.stop()

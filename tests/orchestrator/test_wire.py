@@ -18,7 +18,7 @@ import torch
 from tiny import make_draft_like, make_model
 
 from orchestrator import wire
-from orchestrator.domain import EMPTY_BLOCK, DraftBlock, TargetScores, TreeCommit
+from orchestrator.domain import EMPTY_BLOCK, DraftBlock, TargetScores, TreeCommit, shares_compute
 from tandem import sampling
 from tandem.launch import Stack, start_stack
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2
@@ -116,3 +116,17 @@ def test_each_kind_of_answer_is_its_own_domain_type() -> None:
     assert wire.target_result_from_proto(tree) == TreeCommit((7,), 4, cache_length=3, compute_ms=1.5)
     # Neither (a target older than the oneof): no guess from which fields are empty.
     assert wire.target_result_from_proto(target_pb2.ScoreBlocksResponse(cache_length=3)) is None
+
+
+def test_replicas_share_compute_on_one_machine_only_where_their_cpus_or_gpu_meet() -> None:
+    def info(boot: str, device: str, *cpus: int):  # type: ignore[no-untyped-def]
+        return wire.model_info_from_proto(common_pb2.ModelInfo(device=device, boot_id=boot, cpu_ids=cpus))
+
+    assert info("a", "cpu", 0, 1).cpu_ids == frozenset({0, 1})  # the fields cross the wire
+    assert shares_compute(info("a", "cpu", 0, 1), info("a", "cpu", 1))
+    assert not shares_compute(info("a", "cpu", 0), info("a", "cpu", 1))  # pinned apart
+    assert not shares_compute(info("a", "cpu", 0), info("b", "cpu", 0))  # two machines
+    assert not shares_compute(info("", "cpu", 0), info("", "cpu", 0))  # unknown: apart
+    assert shares_compute(info("a", "cuda:0", 0), info("a", "cuda:0", 1))  # one GPU
+    assert not shares_compute(info("a", "cuda:0", 0), info("a", "cuda:1", 0))
+    assert not shares_compute(info("a", "cuda:0", 0), info("a", "cpu", 0))  # a CPU draft beside a GPU target
