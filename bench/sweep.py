@@ -7,8 +7,8 @@ The same greedy requests (HumanEval prompts, EOS ignored, a fixed number of toke
   the way every service ran before the step scheduler;
 - batched k=0: the target alone, every ready session in one pass;
 - batched speculation: the draft model under the adaptive policy, both services batching.
-- batched speculation+fleet (only when named in --modes): the same, with the orchestrator
-  measuring whether drafting pays under load (--fleet-probe-s 4);
+- batched speculation per-step (only when named in --modes): the same with the per-step
+  cost model alone (--fleet off);
 - batched speculation no-overlap (likewise): the same, taking turns (--overlap off).
 
 Per point: tokens/s (all completion tokens over the wall time), p50/p99 time to first
@@ -43,8 +43,8 @@ MODES = {  # name: (services' flags, draft model used, k per request: None = the
     "per-session k=0": (["--max-batch-sessions", "1"], False, 0, []),
     "batched k=0": ([], False, 0, []),
     "batched speculation": ([], True, None, []),
-    # The same, with the fleet measuring whether drafting pays under load (--fleet-probe-s).
-    "batched speculation+fleet": ([], True, None, ["--fleet-probe-s", "4"]),
+    # The same with the per-step cost model alone (no fleet-level choice under load).
+    "batched speculation per-step": ([], True, None, ["--fleet", "off"]),
     # The same without drafting ahead: on shared cores the guesses take the target's cycles.
     "batched speculation no-overlap": ([], True, None, ["--overlap", "off"]),
 }

@@ -37,11 +37,12 @@ class OrchestratorConfig(ServerSecurityConfig):
                                      "and costs (falls to 0 when speculation does not pay); fixed: "
                                      "always k. A request that sets num_speculative_tokens gets fixed k")
     max_speculative_tokens: int = option(16, "largest k a request may ask for")
-    fleet_probe_s: float = option(0.0, "adaptive policy under concurrent load: every this many "
-                                  "seconds of decoding with and without drafting, measure the "
-                                  "tokens each request commits per second, and keep the better "
-                                  "for --fleet-keep-s (0: off; the per-step cost model alone)")
-    fleet_keep_s: float = option(60.0, "how long the fleet keeps the regime it measured best")
+    fleet: str = option("on", "adaptive policy under concurrent load (2+ requests): charge each "
+                        "committed token the hardware time it took, with and without drafting, "
+                        "and decode without drafting while that is cheaper; off: the per-step "
+                        "cost model alone")
+    fleet_keep_s: float = option(60.0, "seconds a regime's measured cost per token stands before "
+                                 "the fleet measures it again")
     overlap: str = option("auto", "on: the draft drafts the next block while the target verifies "
                           "this one, guessing its outcomes (exact either way); off: draft and "
                           "target take turns; auto: on unless a draft replica shares a target "

@@ -35,7 +35,7 @@ from orchestrator.domain import (
     check_proposer,
     shares_compute,
 )
-from orchestrator.policy import POLICIES, CostModel, FleetRegime
+from orchestrator.policy import POLICIES, CostModel, Deployment, Fleet
 from orchestrator.proposers import DraftModelProposer, PromptLookupProposer, Proposer
 from orchestrator.remote import (
     DRAFT_STUB,
@@ -109,9 +109,9 @@ class Engine:
             raise ValueError(f"--overlap must be one of {', '.join(OVERLAP_SETTINGS)}, got {config.overlap!r}")
         # auto: on until a draft replica turns out to share a target replica's hardware.
         self.overlap = config.overlap != "off"
-        if config.fleet_probe_s < 0 or config.fleet_keep_s <= 0:
-            raise ValueError(f"--fleet-probe-s must be >= 0 (0: off) and --fleet-keep-s > 0, got "
-                             f"{config.fleet_probe_s} and {config.fleet_keep_s}")
+        if config.fleet not in ("on", "off") or config.fleet_keep_s <= 0:
+            raise ValueError(f"--fleet must be on or off and --fleet-keep-s > 0, got "
+                             f"{config.fleet!r} and {config.fleet_keep_s}")
         if config.speculation_policy not in POLICIES:
             raise ValueError(f"--speculation-policy must be one of {POLICIES}")
         if config.max_speculative_tokens > MAX_BLOCK_TOKENS:
@@ -132,7 +132,8 @@ class Engine:
             raise ValueError("--proposer draft-model needs draft replicas (--draft or "
                              "--draft-service-name)")
         # Acceptance and draft cost differ per proposer; verify costs are the target's, shared.
-        target_costs = CostModel(fleet=FleetRegime(config.fleet_probe_s, config.fleet_keep_s))
+        self.deployment = Deployment()
+        target_costs = CostModel(fleet=Fleet(self.deployment, config.fleet == "on", config.fleet_keep_s))
         self.costs: dict[str, CostModel] = collections.defaultdict(target_costs.for_proposer)
         self.default_proposer = config.proposer or ("draft-model" if self.has_drafts else "none")
         self.admission = Admission(config.max_concurrent_requests, config.max_queued_requests)
@@ -198,7 +199,7 @@ class Engine:
                 raise SystemExit(problem)
         self.target_info = reference
         for address, draft in zip(_addresses(self.config.draft), drafts, strict=True):
-            self._check_overlap(draft, targets, address)
+            self._check_placement(draft, targets, address)
         return target_addresses[0]
 
     async def _pools(self) -> tuple[ReplicaPool | None, ReplicaPool]:
@@ -245,15 +246,17 @@ class Engine:
         if problem:
             raise ReplicaRejected(problem)
         if stub_class is DRAFT_STUB:
-            self._check_overlap(info, [self.target_info], address)
+            self._check_placement(info, [self.target_info], address)
 
-    def _check_overlap(self, draft: ModelInfo, targets: Sequence[ModelInfo], address: str) -> None:
-        """--overlap auto: drafting ahead only where the draft has hardware of its own. On a
-        target's cores the guesses take the verify's cycles: on this project's 2-core CPU,
-        one client, 4.56 tokens/s taking turns against 3.27 drafting ahead (docs/BENCHMARKS.md)."""
-        if self.config.overlap != "auto" or not self.overlap:
+    def _check_placement(self, draft: ModelInfo, targets: Sequence[ModelInfo], address: str) -> None:
+        """A draft on a target's hardware: the fleet charges drafting the draft's time too, and
+        --overlap auto takes turns, since drafting ahead would take the verify's cycles (on
+        this project's 2-core CPU, one client: 4.56 tokens/s taking turns against 3.27
+        drafting ahead; docs/BENCHMARKS.md)."""
+        if not any(shares_compute(draft, target) for target in targets):
             return
-        if any(shares_compute(draft, target) for target in targets):
+        self.deployment.draft_shares_target = True  # the fleet charges drafting its draft time
+        if self.config.overlap == "auto" and self.overlap:
             self.overlap = False
             log.info("--overlap auto: draft %s shares the target's hardware (%s), so draft and "
                      "target take turns (--overlap on drafts ahead anyway)", address,
@@ -388,10 +391,9 @@ class Engine:
                       prompt_tokens=len(gen.prompt_token_ids))
         reason = FinishReason.LENGTH
         costs = self.costs[usage.proposer]
-        costs.fleet.enter()
+        self.deployment.active += 1
         try:
             async for step in speculate(gen, proposer, target, costs):
-                costs.fleet.record(len(step.token_ids))
                 kept = text.add_all(step.token_ids)
                 usage = usage.fold(step, kept)
                 _observe(step, first=usage.target_forward_passes == 1, started=started)
@@ -410,7 +412,7 @@ class Engine:
             wire_bytes = target.wire_bytes + (proposer.wire_bytes if proposer else 0)
             yield Summary(reason, usage, wire_bytes, (time.perf_counter() - started) * 1000.0)
         finally:
-            costs.fleet.leave()
+            self.deployment.active -= 1
             metrics.observe_tokens(prompt=usage.prompt_tokens, completion=usage.completion_tokens)
             await target.close()
             if proposer is not None:

@@ -85,76 +85,86 @@ def expected_tokens(alpha: float, k: float) -> float:
 
 
 @dataclass
-class FleetRegime:
-    """Whether drafting pays for the whole fleet, measured rather than modelled.
+class Deployment:
+    """What every request's policy shares of the deployment: the requests running now (they
+    share the target's passes, whatever their proposer), and whether the draft computes on
+    the target's hardware (the orchestrator finds out from the replicas' model info)."""
 
-    Under concurrent load the per-step cost model misses what sessions do to each other:
-    a session at the draft is not in the target's next pass, so speculation thins the
-    passes it is costed against, and a draft sharing the target's hardware slows the
-    target's passes. So while two or more requests run, the orchestrator alternates: every
-    session decodes without drafting for `probe_s`, then with the per-step policy for
-    `probe_s`; whichever committed more tokens per session-second is kept for `keep_s`,
-    then it is measured again (at once when the number of requests has doubled or halved
-    since). With one request the per-step policy alone decides. Output never changes.
+    active: int = 0
+    draft_shares_target: bool = False
+
+
+def load_bucket(active: int) -> int:
+    """Loads within a factor of two share their measurements: 2-3 -> 2, 4-7 -> 4, ..."""
+    return 1 << (max(active, 1).bit_length() - 1)
+
+
+@dataclass
+class Fleet:
+    """Whether drafting pays for the whole fleet, by what each committed token costs the hardware.
+
+    Under concurrent load the per-step cost model misses what sessions do to each other: a
+    session at the draft is not in the target's next pass, so speculation thins the passes it
+    is costed against, and a draft on the target's hardware takes the target's cycles. While
+    two or more requests run, the hardware is busy, and what the fleet yields is tokens per
+    unit of it. So each decode step is charged the hardware time it used: its share of the
+    target pass that served it (the pass's time x the step's tokens / the pass's tokens), plus
+    the draft's compute for it where the draft shares the target's hardware. Per load (within
+    a factor of two) and regime (k = 0, or drafting), the ms per committed token is a running
+    average. Steps decode plain (k = 0) while that is the cheaper; a plain token not measured
+    at this load is costed v(N) / N (N requests in one pass; v: the target's measured passes,
+    nearest smaller size). A regime's figure older than `keep_s` is measured again. With one
+    request the per-step policy alone decides. Output never changes.
+
+    NOTE: a draft pass shared by several sessions is charged in full to each (the draft's
+    reply does not say how many shared it), so drafting is overcharged where draft passes
+    batch; and with --overlap on beside the target, drafting ahead is not charged at all.
     """
 
-    probe_s: float = 0.0  # 0: off (the per-step policy alone)
+    deployment: Deployment = field(default_factory=Deployment)
+    enabled: bool = True
     keep_s: float = 60.0
+    min_steps: int = 4  # drafting steps measured at a load before plain may win there
     clock: Callable[[], float] = time.monotonic
-    active: int = 0  # requests running now
-    phase: str = "policy"  # "policy": the per-step policy chooses k; "plain": k = 0
-    probing: bool = False
-    until: float = 0.0  # when the phase ends
-    decided_at: int = 0  # requests running when the kept phase was chosen (0: never)
-    rates: dict[str, float] = field(default_factory=dict)  # tokens per session-second, by phase
-    _tokens: float = 0.0
-    _session_s: float = 0.0
-    _last: float | None = None
+    # (load bucket, plain) -> (ms per committed token, steps measured, when last measured)
+    cost_per_token: dict[tuple[int, bool], tuple[Ema, int, float]] = field(default_factory=dict)
 
-    def _tick(self) -> float:
-        now = self.clock()
-        if self._last is not None:
-            self._session_s += self.active * (now - self._last)
-        self._last = now
-        return now
+    def charge(self, k: int, committed: int, draft_ms: float, target_ms: float) -> None:
+        """A decode step of k drafted tokens committed `committed`, costing target_ms of the
+        target's pass and draft_ms at the draft."""
+        if self.deployment.active < 2 or committed < 1:
+            return
+        key = (load_bucket(self.deployment.active), k == 0)
+        ema, steps, _ = self.cost_per_token.get(key) or (Ema(weight=0.2), 0, 0.0)
+        spent = target_ms + (draft_ms if k and self.deployment.draft_shares_target else 0.0)
+        ema.add(spent / committed)
+        self.cost_per_token[key] = (ema, steps + 1, self.clock())
 
-    def enter(self) -> None:
-        self._tick()
-        self.active += 1
+    def _measured(self, bucket: int, plain: bool) -> tuple[float, int] | None:
+        known = self.cost_per_token.get((bucket, plain))
+        if known is None or known[0].value is None:
+            return None
+        if self.clock() - known[2] > self.keep_s:  # stale: measure it again, from scratch
+            del self.cost_per_token[(bucket, plain)]
+            return None
+        return known[0].value, known[1]
 
-    def leave(self) -> None:
-        self._tick()
-        self.active -= 1
-
-    def record(self, tokens: int) -> None:
-        """A step of some request committed `tokens`."""
-        self._tick()
-        self._tokens += tokens
-
-    def plain(self) -> bool:
-        """Whether steps now decode without drafting."""
-        now = self._tick()
-        if self.active < 2 or self.probe_s <= 0:
-            self.phase, self.probing, self.decided_at = "policy", False, 0
+    def plain(self, verify: Callable[[int], float | None]) -> bool:
+        """Whether steps now decode without drafting; `verify`: v(T), the target's pass of T tokens."""
+        n = self.deployment.active
+        if not self.enabled or n < 2:
             return False
-        moved = self.decided_at and not self.decided_at / 2 < self.active < self.decided_at * 2
-        if not self.probing and (now >= self.until or moved):
-            self._start("plain", now, probing=True)  # measure both again, plain first
-        elif self.probing and now >= self.until:
-            if self._session_s > 0:
-                self.rates[self.phase] = self._tokens / self._session_s
-            if self.phase == "plain":
-                self._start("policy", now, probing=True)
-            else:
-                best = max(self.rates, key=lambda phase: self.rates[phase])
-                self._start(best, now, probing=False)
-                self.decided_at = self.active
-        return self.phase == "plain"
-
-    def _start(self, phase: str, now: float, probing: bool) -> None:
-        self.phase, self.probing = phase, probing
-        self.until = now + (self.probe_s if probing else self.keep_s)
-        self._tokens = self._session_s = 0.0
+        bucket = load_bucket(n)
+        drafting = self._measured(bucket, plain=False)
+        if drafting is None or drafting[1] < self.min_steps:
+            return False  # draft, and measure what it costs at this load
+        plain = self._measured(bucket, plain=True)
+        if plain is None:
+            one_pass = verify(n)
+            if one_pass is None:
+                return True  # no pass that small measured yet: a plain step measures it
+            return one_pass / n < drafting[0]
+        return plain[0] < drafting[0]
 
 
 @dataclass
@@ -169,7 +179,7 @@ class CostModel:
     # one at the replica; shared like verify_ms.
     batch_sessions: Ema = field(default_factory=lambda: Ema(weight=0.2))
     queue_depth: Ema = field(default_factory=lambda: Ema(weight=0.2))
-    fleet: FleetRegime = field(default_factory=FleetRegime)  # shared by every proposer
+    fleet: Fleet = field(default_factory=Fleet)  # its own costs; the Deployment is shared
 
     def verify(self, tokens: int) -> float | None:
         """v(tokens), or the nearest smaller measured pass (optimism); None: nothing that small."""
@@ -192,7 +202,8 @@ class CostModel:
         deployment's target, so the same verify, load and overhead measurements."""
         return CostModel(verify_ms=self.verify_ms, overhead_ms=self.overhead_ms,
                          batch_sessions=self.batch_sessions, queue_depth=self.queue_depth,
-                         fleet=self.fleet)
+                         fleet=Fleet(self.fleet.deployment, self.fleet.enabled, self.fleet.keep_s,
+                                     self.fleet.min_steps, self.fleet.clock))
 
     def observe(self, k: int, accepted: int, draft_ms: float, verify_ms: float, step_ms: float,
                 verify_tokens: int, load: PassLoad | None = None) -> None:
@@ -205,6 +216,8 @@ class CostModel:
         sessions, tokens, pass_ms, queued = (load.sessions, load.tokens, load.pass_ms, load.queue_depth) \
             if load is not None else (1, verify_tokens, verify_ms, 0)
         self.verify_ms.setdefault(tokens, Ema()).add(pass_ms)
+        # This step's share of the pass (a replica that does not report it: the pass was its own).
+        self.fleet.charge(k, accepted + 1, draft_ms, pass_ms * verify_tokens / tokens if tokens else pass_ms)
         self.batch_sessions.add(sessions)
         self.queue_depth.add(queued)
         # verify_ms is the step's time at the replica, its wait for passes included: the wait
@@ -234,7 +247,7 @@ class Speculation:
         cap = max(0, min(self.max_k, remaining - 1))
         if self.policy == "fixed" or cap == 0:
             return cap
-        if self.costs.fleet.plain():
+        if self.costs.fleet.plain(self.costs.verify):
             return 0
         t_draft = self.costs.draft_ms_per_token.value
         if t_draft is None:

@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.policy import Acceptance, CostModel, FleetRegime, Speculation, expected_tokens
+from orchestrator.domain import PassLoad
+from orchestrator.policy import (
+    Acceptance,
+    CostModel,
+    Deployment,
+    Fleet,
+    Speculation,
+    expected_tokens,
+    load_bucket,
+)
 
 
 def measured(draft_ms: float, verify: dict[int, float], alpha: float) -> CostModel:
@@ -172,67 +181,115 @@ class Clock:
         return self.now
 
 
-def run_fleet(fleet: FleetRegime, clock: Clock, seconds: float, tokens_per_s: dict[bool, float]) -> list[bool]:
-    """Every running request commits tokens at the rate of the phase it finds, each 0.1 s;
-    returns whether each step decoded plain."""
-    seen = []
-    for _ in range(int(seconds * 10)):
-        plain = fleet.plain()
-        seen.append(plain)
-        clock.now += 0.1
-        for _ in range(fleet.active):
-            fleet.record(round(tokens_per_s[plain] * 0.1))
-    return seen
+def fleet_costs(active: int, shared: bool, clock: Clock) -> CostModel:
+    """The deployment's costs with `active` requests running; a target pass of T tokens costs
+    100 + 50 T ms (a CPU: compute-bound), and the draft 85 ms a token."""
+    costs = CostModel(fleet=Fleet(Deployment(active, shared), clock=clock))
+    costs.draft_ms_per_token.value = 85.0
+    costs.overhead_ms.value = 0.0
+    costs.alpha = Acceptance(accepted=0.75, tested=1.0)
+    return costs
 
 
-@pytest.mark.parametrize("plain_wins", [True, False])
-def test_the_fleet_keeps_whichever_regime_commits_more(plain_wins: bool) -> None:
+def draft_steps(costs: CostModel, n: int, sessions_per_pass: int) -> None:
+    """n steps of k = 4 keeping 2 (3 tokens each), in passes of `sessions_per_pass` such steps."""
+    tokens = 5 * sessions_per_pass
+    for _ in range(n):
+        costs.observe(4, 2, 340.0, 100 + 50.0 * tokens, 400.0, 5, PassLoad(sessions_per_pass, tokens, 100 + 50.0 * tokens, 0))
+
+
+def plain_steps(costs: CostModel, n: int, sessions_per_pass: int) -> None:
+    for _ in range(n):
+        ms = 100 + 50.0 * sessions_per_pass
+        costs.observe(0, 0, 0.0, ms, ms, 1, PassLoad(sessions_per_pass, sessions_per_pass, ms, 0))
+
+
+def test_loads_within_a_factor_of_two_share_measurements() -> None:
+    assert [load_bucket(n) for n in (1, 2, 3, 4, 7, 8, 31, 32)] == [1, 2, 2, 4, 4, 8, 16, 32]
+
+
+def test_with_a_draft_on_the_targets_cores_the_fleet_decodes_plain_once_drafting_is_measured() -> None:
+    # Two requests taking turns at the target: each drafting step costs 340 ms of draft and a
+    # 350 ms pass of its own for 3 tokens (230 ms a token); both plain in one pass, 200 ms for
+    # 2 (100 ms a token).
     clock = Clock()
-    fleet = FleetRegime(probe_s=2.0, keep_s=20.0, clock=clock)
-    for _ in range(8):
-        fleet.enter()
-    rates = {True: 20.0, False: 10.0} if plain_wins else {True: 10.0, False: 20.0}
-    probes = run_fleet(fleet, clock, 4.0, rates)
-    assert probes[:20] == [True] * 20 and probes[20:] == [False] * 20  # plain, then the policy
-    kept = run_fleet(fleet, clock, 20.0, rates)
-    assert set(kept[1:-1]) == {plain_wins}
-    assert fleet.rates[("plain" if plain_wins else "policy")] > fleet.rates[("policy" if plain_wins else "plain")]
-    assert run_fleet(fleet, clock, 0.2, rates)[-1] is True  # kept long enough: measured again
+    costs = fleet_costs(2, shared=True, clock=clock)
+    assert costs.fleet.plain(costs.verify) is False  # nothing measured at this load: draft, and measure
+    draft_steps(costs, 3, sessions_per_pass=1)
+    assert costs.fleet.plain(costs.verify) is False  # fewer than min_steps drafting steps
+    draft_steps(costs, 1, sessions_per_pass=1)
+    assert costs.fleet.plain(costs.verify) is True  # no plain pass of 2 measured: a plain step learns it
+    plain_steps(costs, 4, sessions_per_pass=2)
+    assert costs.fleet.plain(costs.verify) is True
+    assert costs.fleet.cost_per_token[(2, True)][0].value == pytest.approx(100.0)
+    assert costs.fleet.cost_per_token[(2, False)][0].value == pytest.approx((340 + 350) / 3)
+    assert Speculation("adaptive", 4, costs).choose(remaining=100) == 0
+    assert Speculation("fixed", 4, costs).choose(remaining=100) == 4  # a fixed k is kept
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_the_drafts_time_counts_only_where_it_shares_the_targets_hardware(shared: bool) -> None:
+    # Drafting steps: 340 ms of draft, 350 ms of target for 3 tokens; plain steps alone in their
+    # passes: 150 ms a token. Beside the target, a drafted token costs 230 ms of the hardware;
+    # on a draft's own, 117 ms of the target's.
+    costs = fleet_costs(2, shared=shared, clock=Clock())
+    draft_steps(costs, 8, sessions_per_pass=1)
+    plain_steps(costs, 8, sessions_per_pass=1)
+    assert costs.fleet.plain(costs.verify) is shared
+
+
+def test_many_requests_in_one_plain_pass_beat_drafting_even_with_a_draft_of_its_own() -> None:
+    costs = fleet_costs(32, shared=False, clock=Clock())
+    draft_steps(costs, 8, sessions_per_pass=8)  # 8 x 5 tokens: 2100 ms, 262.5 a step, 87.5 a token
+    plain_steps(costs, 8, sessions_per_pass=32)  # 1700 ms for 32: 53 a token
+    assert costs.fleet.plain(costs.verify) is True
+
+
+def test_an_unmeasured_plain_load_is_costed_from_the_targets_passes() -> None:
+    clock = Clock()
+    costs = fleet_costs(8, shared=True, clock=clock)
+    plain_steps(costs, 2, sessions_per_pass=1)  # v(1) = 150 (measured at another load)
+    costs.fleet.cost_per_token.clear()
+    draft_steps(costs, 4, sessions_per_pass=2)  # 340 + 550 ms for 3 tokens
+    # v(8) is taken as v(1) or the nearest smaller measured pass: 150 / 8 a token. Plain.
+    assert costs.fleet.plain(costs.verify) is True
 
 
 def test_one_request_is_the_per_step_policys_alone() -> None:
     clock = Clock()
-    fleet = FleetRegime(probe_s=1.0, clock=clock)
-    fleet.enter()
-    assert not any(run_fleet(fleet, clock, 10.0, {True: 10.0, False: 1.0}))
-    costs = measured(draft_ms=10, verify={1: 100, 2: 100, 3: 100, 4: 100, 5: 100}, alpha=0.9)
-    assert Speculation("adaptive", 4, costs).choose(remaining=100) == 4
+    costs = fleet_costs(1, shared=True, clock=clock)
+    draft_steps(costs, 8, sessions_per_pass=1)
+    plain_steps(costs, 8, sessions_per_pass=1)
+    assert costs.fleet.cost_per_token == {}  # nothing charged: one request is not the fleet's
+    assert costs.fleet.plain(costs.verify) is False
 
 
-def test_a_doubled_load_is_measured_again_at_once() -> None:
+def test_a_measured_cost_goes_stale_and_drafting_is_measured_again() -> None:
     clock = Clock()
-    fleet = FleetRegime(probe_s=1.0, keep_s=100.0, clock=clock)
-    for _ in range(4):
-        fleet.enter()
-    run_fleet(fleet, clock, 2.1, {True: 10.0, False: 20.0})
-    assert not fleet.plain() and not fleet.probing  # the policy won, kept for 100 s
-    for _ in range(4):
-        fleet.enter()
-    assert fleet.plain() and fleet.probing
+    costs = fleet_costs(4, shared=True, clock=clock)
+    draft_steps(costs, 4, sessions_per_pass=1)
+    plain_steps(costs, 4, sessions_per_pass=4)
+    assert costs.fleet.plain(costs.verify) is True
+    clock.now += 30.0
+    plain_steps(costs, 4, sessions_per_pass=4)  # plain stays fresh; drafting's figure ages
+    assert costs.fleet.plain(costs.verify) is True
+    clock.now += 31.0
+    assert costs.fleet.plain(costs.verify) is False  # 61 s old: draft again, measure again
+    assert (4, False) not in costs.fleet.cost_per_token
 
 
-def test_under_a_plain_phase_the_adaptive_policy_drafts_nothing_and_a_fixed_k_is_kept() -> None:
-    costs = measured(draft_ms=10, verify={1: 100, 2: 100, 3: 100, 4: 100, 5: 100}, alpha=0.9)
-    costs.fleet = FleetRegime(probe_s=1.0)
-    costs.fleet.enter()
-    costs.fleet.enter()
-    assert costs.for_proposer().fleet is costs.fleet  # one fleet for every proposer
-    assert Speculation("adaptive", 4, costs).choose(remaining=100) == 0  # probing plain first
-    assert Speculation("fixed", 4, costs).choose(remaining=100) == 4
+def test_every_proposer_has_its_own_costs_over_one_deployment() -> None:
+    costs = fleet_costs(2, shared=True, clock=Clock())
+    other = costs.for_proposer()
+    assert other.fleet.deployment is costs.fleet.deployment and other.fleet is not costs.fleet
+    draft_steps(costs, 4, sessions_per_pass=1)
+    assert other.fleet.cost_per_token == {}
 
 
-def test_the_fleet_regime_is_off_unless_asked_for() -> None:
-    fleet = FleetRegime()
-    for _ in range(8):
-        fleet.enter()
-    assert not fleet.plain()
+def test_the_fleet_can_be_turned_off() -> None:
+    clock = Clock()
+    costs = fleet_costs(4, shared=True, clock=clock)
+    costs.fleet.enabled = False
+    draft_steps(costs, 4, sessions_per_pass=1)
+    plain_steps(costs, 4, sessions_per_pass=4)
+    assert costs.fleet.plain(costs.verify) is False
