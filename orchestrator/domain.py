@@ -76,16 +76,17 @@ class ModelInfo:
     device: str = ""  # "cpu", "cuda:0", ...
     boot_id: str = ""  # its machine's boot id ("": unknown)
     cpu_ids: frozenset[int] = frozenset()  # the CPUs its threads may run on
+    accelerator_ids: frozenset[str] = frozenset()  # UUIDs of the GPUs its weights are on
 
 
 def shares_compute(a: ModelInfo, b: ModelInfo) -> bool:
-    """Whether two replicas compute on the same hardware: one machine, and the same GPU or
-    (both on the CPU) overlapping CPUs. Unknown machines count as separate."""
+    """Whether two replicas compute on the same hardware: one machine, and a GPU in common or
+    (both on the CPU) overlapping CPUs. Unknown machines and GPUs count as separate."""
     if not a.boot_id or a.boot_id != b.boot_id:
         return False
     if a.device.startswith("cpu") and b.device.startswith("cpu"):
         return bool(a.cpu_ids & b.cpu_ids)
-    return a.device == b.device
+    return bool(a.accelerator_ids & b.accelerator_ids)
 
 
 @dataclass(frozen=True)

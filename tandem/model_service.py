@@ -35,6 +35,12 @@ log = logging.getLogger(__name__)
 BOOT_ID = "/proc/sys/kernel/random/boot_id"
 
 
+def accelerator_ids(model: torch.nn.Module) -> list[str]:
+    """UUIDs of the GPUs holding the model's weights (none on a CPU)."""
+    devices = {p.device for p in model.parameters() if p.device.type == "cuda"}
+    return sorted(str(getattr(torch.cuda.get_device_properties(d), "uuid", d)) for d in devices)
+
+
 def boot_id() -> str:
     """This machine's boot id, shared by every process and container on it ("" where unknown)."""
     try:
@@ -169,6 +175,7 @@ class ModelHost:
     def load(self) -> None:
         started = time.perf_counter()
         model, dtype, group = self._load_model()
+        accelerators = accelerator_ids(model)
         tokenizer = models.load_tokenizer(self.config.model)
         device = str(getattr(model, "hf_device_map", None) or self.config.device)
         if group is not None:
@@ -184,6 +191,7 @@ class ModelHost:
             device=device,
             boot_id=boot_id(),
             cpu_ids=sorted(os.sched_getaffinity(0)),
+            accelerator_ids=accelerators,
         )
         self.tokenizer = tokenizer
         self.scheduler.start(model, self.batch_refusal)

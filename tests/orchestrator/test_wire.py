@@ -119,14 +119,17 @@ def test_each_kind_of_answer_is_its_own_domain_type() -> None:
 
 
 def test_replicas_share_compute_on_one_machine_only_where_their_cpus_or_gpu_meet() -> None:
-    def info(boot: str, device: str, *cpus: int):  # type: ignore[no-untyped-def]
-        return wire.model_info_from_proto(common_pb2.ModelInfo(device=device, boot_id=boot, cpu_ids=cpus))
+    def info(boot: str, device: str, *cpus: int, gpus: tuple[str, ...] = ()):  # type: ignore[no-untyped-def]
+        return wire.model_info_from_proto(common_pb2.ModelInfo(device=device, boot_id=boot, cpu_ids=cpus,
+                                                               accelerator_ids=gpus))
 
     assert info("a", "cpu", 0, 1).cpu_ids == frozenset({0, 1})  # the fields cross the wire
     assert shares_compute(info("a", "cpu", 0, 1), info("a", "cpu", 1))
     assert not shares_compute(info("a", "cpu", 0), info("a", "cpu", 1))  # pinned apart
     assert not shares_compute(info("a", "cpu", 0), info("b", "cpu", 0))  # two machines
     assert not shares_compute(info("", "cpu", 0), info("", "cpu", 0))  # unknown: apart
-    assert shares_compute(info("a", "cuda:0", 0), info("a", "cuda:0", 1))  # one GPU
-    assert not shares_compute(info("a", "cuda:0", 0), info("a", "cuda:1", 0))
-    assert not shares_compute(info("a", "cuda:0", 0), info("a", "cpu", 0))  # a CPU draft beside a GPU target
+    assert shares_compute(info("a", "cuda:0", 0, gpus=("GPU-1",)), info("a", "cuda:1", 1, gpus=("GPU-1", "GPU-2")))
+    # Two pods on one node, each with a GPU of its own that it calls cuda:0:
+    assert not shares_compute(info("a", "cuda:0", 0, gpus=("GPU-1",)), info("a", "cuda:0", 0, gpus=("GPU-2",)))
+    assert not shares_compute(info("a", "cuda:0", 0), info("a", "cuda:0", 0))  # GPUs not known: apart
+    assert not shares_compute(info("a", "cuda:0", 0, gpus=("GPU-1",)), info("a", "cpu", 0))  # a CPU draft by a GPU target
