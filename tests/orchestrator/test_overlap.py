@@ -145,17 +145,25 @@ def _ahead_steps(stack: Stack) -> int:
 
 
 @pytest.mark.parametrize("pinned", [False, True])
-def test_overlap_auto_drafts_ahead_only_on_hardware_of_its_own(tiny_draft: Path, tiny_target: Path,
+def test_a_draft_works_beside_the_target_only_on_hardware_of_its_own(tiny_draft: Path, tiny_target: Path,
                                                              pinned: bool) -> None:
     # auto, the default: a draft on the target's CPUs takes turns (its guesses would take the
-    # verify's cycles); pinned to a CPU of its own, it drafts ahead.
+    # verify's cycles) and is not prefilled beside the target; pinned to a CPU of its own,
+    # it prefills at once and drafts ahead.
     if pinned and len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs two CPUs to pin the draft and the target apart")
     cpus = sorted(os.sched_getaffinity(0))
     draft_args = ["--cpu-affinity", str(cpus[0])] if pinned else []
     target_args = ["--cpu-affinity", str(cpus[1])] if pinned else []
-    stack = start_stack(str(tiny_draft), str(tiny_target), draft_args=draft_args, target_args=target_args)
+    stack = start_stack(str(tiny_draft), str(tiny_target), draft_args=[*draft_args, *METRICS],
+                        target_args=target_args)
     try:
+        # Two tokens: a prefill, then a step that may draft nothing (one token left). Beside
+        # the target, the draft is not prefilled with it (that would slow the first token).
+        with stack.client() as client:
+            client.generate(PROMPTS[0], max_new_tokens=2, ignore_eos=True)
+        draft_passes = stack.drafts[0].metrics().get("tandem_batch_sessions_count", 0.0)
+        assert (draft_passes > 0) is pinned, draft_passes
         ahead = _ahead_steps(stack)
         said = any("shares the target's hardware" in line for line in stack.orchestrator.lines)
         if pinned:
