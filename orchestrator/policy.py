@@ -29,6 +29,7 @@ Whatever k is chosen, the output is exact: the policy changes speed, never token
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,6 +37,8 @@ from dataclasses import dataclass, field
 from orchestrator.domain import PassLoad
 
 POLICIES = ("adaptive", "fixed")
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -113,8 +116,11 @@ class Fleet:
     a factor of two) and regime (k = 0, or drafting), the ms per committed token is a running
     average. Steps decode plain (k = 0) while that is the cheaper; a plain token not measured
     at this load is costed v(N) / N (N requests in one pass; v: the target's measured passes,
-    nearest smaller size). A regime's figure older than `keep_s` is measured again. With one
-    request the per-step policy alone decides. Output never changes.
+    nearest smaller size). Drafting is measured at a load by `min_steps` steps (the rest
+    decode plain meanwhile), unless plain already won at a lighter load: more load only
+    favours it more (the target grows compute-bound), so it is not measured again there. A
+    regime's figure older than `keep_s` is measured again. With one request the per-step
+    policy alone decides. Output never changes. A change of regime at a load is logged.
 
     NOTE: a draft pass shared by several sessions is charged in full to each (the draft's
     reply does not say how many shared it), so drafting is overcharged where draft passes
@@ -124,10 +130,15 @@ class Fleet:
     deployment: Deployment = field(default_factory=Deployment)
     enabled: bool = True
     keep_s: float = 60.0
-    min_steps: int = 4  # drafting steps measured at a load before plain may win there
+    min_steps: int = 2  # drafting steps measured at a load before plain may win there
     clock: Callable[[], float] = time.monotonic
     # (load bucket, plain) -> (ms per committed token, steps measured, when last measured)
     cost_per_token: dict[tuple[int, bool], tuple[Ema, int, float]] = field(default_factory=dict)
+    # Drafting steps let through at a load whose drafting is not measured yet: min_steps of
+    # them measure it; the rest decode plain meanwhile (32 requests starting at once would
+    # otherwise all draft, each draft catching up on its prompt, before a figure is in).
+    measuring: dict[int, tuple[int, float]] = field(default_factory=dict)  # bucket -> (steps, since)
+    _logged: dict[int, bool] = field(default_factory=dict)  # the last decision logged, by load
 
     def charge(self, k: int, committed: int, draft_ms: float, target_ms: float) -> None:
         """A decode step of k drafted tokens committed `committed`, costing target_ms of the
@@ -146,25 +157,55 @@ class Fleet:
             return None
         if self.clock() - known[2] > self.keep_s:  # stale: measure it again, from scratch
             del self.cost_per_token[(bucket, plain)]
+            self.measuring.pop(bucket, None)
             return None
         return known[0].value, known[1]
 
+    def _plain_below(self, bucket: int) -> bool:
+        """Whether plain decoding measured cheaper, and recently, at a lighter load (2+)."""
+        for lighter in (b for b in (2 ** i for i in range(1, bucket.bit_length() - 1)) if b < bucket):
+            drafting, plain = self._measured(lighter, plain=False), self._measured(lighter, plain=True)
+            if drafting is not None and plain is not None and drafting[1] >= self.min_steps \
+                    and plain[0] < drafting[0]:
+                return True
+        return False
+
     def plain(self, verify: Callable[[int], float | None]) -> bool:
         """Whether steps now decode without drafting; `verify`: v(T), the target's pass of T tokens."""
+        decision, why = self._plain(verify)
+        bucket = load_bucket(self.deployment.active)
+        if self.deployment.active >= 2 and self._logged.get(bucket) != decision:
+            self._logged[bucket] = decision
+            log.info("fleet: %d requests running: %s (%s)", self.deployment.active,
+                     "decoding plain" if decision else "drafting", why)
+        return decision
+
+    def _plain(self, verify: Callable[[int], float | None]) -> tuple[bool, str]:
         n = self.deployment.active
         if not self.enabled or n < 2:
-            return False
+            return False, "the per-step policy"
         bucket = load_bucket(n)
         drafting = self._measured(bucket, plain=False)
+        if (drafting is None or drafting[1] < self.min_steps) and self._plain_below(bucket):
+            return True, "plain won at a lighter load"  # more load only favours it more
         if drafting is None or drafting[1] < self.min_steps:
-            return False  # draft, and measure what it costs at this load
+            # Draft, and measure what it costs at this load: min_steps steps, then plain
+            # until they are in.
+            granted, since = self.measuring.get(bucket, (0, self.clock()))
+            if self.clock() - since > self.keep_s:  # they never came in (cancelled, k = 0): again
+                granted, since = 0, self.clock()
+            if granted >= self.min_steps:
+                return True, "while drafting is measured"
+            self.measuring[bucket] = (granted + 1, since)
+            return False, "measuring what drafting costs"
         plain = self._measured(bucket, plain=True)
         if plain is None:
             one_pass = verify(n)
             if one_pass is None:
-                return True  # no pass that small measured yet: a plain step measures it
-            return one_pass / n < drafting[0]
-        return plain[0] < drafting[0]
+                return True, "no plain pass measured yet"  # a plain step measures it
+            return one_pass / n < drafting[0], (f"{one_pass / n:.0f} ms a plain token, from v({n}), "
+                                                f"against {drafting[0]:.0f} drafting")
+        return plain[0] < drafting[0], f"{plain[0]:.0f} ms a plain token against {drafting[0]:.0f} drafting"
 
 
 @dataclass

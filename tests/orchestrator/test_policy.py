@@ -214,8 +214,9 @@ def test_with_a_draft_on_the_targets_cores_the_fleet_decodes_plain_once_drafting
     # 2 (100 ms a token).
     clock = Clock()
     costs = fleet_costs(2, shared=True, clock=clock)
+    assert costs.fleet.min_steps == 2
     assert costs.fleet.plain(costs.verify) is False  # nothing measured at this load: draft, and measure
-    draft_steps(costs, 3, sessions_per_pass=1)
+    draft_steps(costs, 1, sessions_per_pass=1)
     assert costs.fleet.plain(costs.verify) is False  # fewer than min_steps drafting steps
     draft_steps(costs, 1, sessions_per_pass=1)
     assert costs.fleet.plain(costs.verify) is True  # no plain pass of 2 measured: a plain step learns it
@@ -243,6 +244,43 @@ def test_many_requests_in_one_plain_pass_beat_drafting_even_with_a_draft_of_its_
     draft_steps(costs, 8, sessions_per_pass=8)  # 8 x 5 tokens: 2100 ms, 262.5 a step, 87.5 a token
     plain_steps(costs, 8, sessions_per_pass=32)  # 1700 ms for 32: 53 a token
     assert costs.fleet.plain(costs.verify) is True
+
+
+def test_only_a_few_requests_draft_to_measure_a_new_load() -> None:
+    # 32 requests start at once: min_steps (2) of them draft to measure drafting; the others
+    # decode plain until the figure is in, and again once it says plain is cheaper.
+    clock = Clock()
+    costs = fleet_costs(32, shared=True, clock=clock)
+    assert [costs.fleet.plain(costs.verify) for _ in range(32)] == [False] * 2 + [True] * 30
+    draft_steps(costs, 2, sessions_per_pass=2)
+    plain_steps(costs, 4, sessions_per_pass=30)
+    assert costs.fleet.plain(costs.verify) is True
+    # Steps let through that never report (cancelled) free their places after keep_s.
+    other = fleet_costs(8, shared=True, clock=clock)
+    assert [other.fleet.plain(other.verify) for _ in range(3)] == [False] * 2 + [True]
+    clock.now += 61.0
+    assert other.fleet.plain(other.verify) is False
+
+
+def test_where_plain_won_at_a_lighter_load_a_heavier_one_is_not_measured_again() -> None:
+    clock = Clock()
+    costs = fleet_costs(2, shared=True, clock=clock)
+    draft_steps(costs, 2, sessions_per_pass=1)
+    plain_steps(costs, 2, sessions_per_pass=2)
+    assert costs.fleet.plain(costs.verify) is True
+    costs.fleet.deployment.active = 16  # no measurement at 16: plain, from 2's
+    assert costs.fleet.plain(costs.verify) is True and 16 not in costs.fleet.measuring
+    clock.now += 61.0  # 2's figures are stale: 16 measures drafting itself
+    assert costs.fleet.plain(costs.verify) is False
+
+
+def test_where_drafting_won_at_a_lighter_load_a_heavier_one_measures_it_again() -> None:
+    costs = fleet_costs(2, shared=False, clock=Clock())
+    draft_steps(costs, 2, sessions_per_pass=1)  # 117 ms a token of the target's
+    plain_steps(costs, 2, sessions_per_pass=1)  # 150
+    assert costs.fleet.plain(costs.verify) is False
+    costs.fleet.deployment.active = 8
+    assert costs.fleet.plain(costs.verify) is False and costs.fleet.measuring[8][0] == 1
 
 
 def test_an_unmeasured_plain_load_is_costed_from_the_targets_passes() -> None:
