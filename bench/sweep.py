@@ -110,17 +110,21 @@ def _batch_counts(target: Process) -> tuple[float, float]:
 
 def sweep(draft: str, target: str, *, draft_args: Sequence[str], target_args: Sequence[str],
           concurrency: Sequence[int], max_new_tokens: int, min_requests: int, threads: int,
-          modes: Sequence[str], prompt_chars: int = 0) -> list[Point]:
+          modes: Sequence[str], prompt_chars: int = 0, log_dir: Path | None = None) -> list[Point]:
     texts = [p.text[-prompt_chars:] if prompt_chars else p.text
              for p in bench_prompts(num_code=max(*concurrency, min_requests), num_prose=0)]
     points = []
     for mode in modes:
         flags, drafting, k, orchestrator_flags = MODES[mode]
         metrics = ["--metrics-port", "0"]
+        logs = None if log_dir is None else log_dir / mode.replace(" ", "-")
+        if logs is not None:
+            logs.mkdir(parents=True, exist_ok=True)
         stack = start_stack(draft if drafting else None, target, threads=threads,
                             draft_args=[*draft_args, *flags, *metrics],
                             target_args=[*target_args, *flags, *metrics],
-                            orchestrator_args=orchestrator_flags)
+                            orchestrator_args=orchestrator_flags,
+                            log_dir=logs)
         try:
             asyncio.run(_drive(stack.address, texts[:1], 1, 4, k))  # warm-up
             for clients in concurrency:
@@ -201,12 +205,13 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="keep only each prompt's last N characters (0: whole prompts)")
     parser.add_argument("--out", default="", help="directory for the results")
     args = parser.parse_args(argv)
+    out = Path(args.out or f"bench/results/sweep-{time.strftime('%Y%m%d-%H%M%S')}")
     points = sweep(args.draft, args.target, draft_args=args.draft_args.split(),
                    target_args=args.target_args.split(),
                    concurrency=[int(c) for c in args.concurrency.split(",")],
                    max_new_tokens=args.max_new_tokens, min_requests=args.min_requests,
-                   threads=args.threads, modes=args.modes.split(","), prompt_chars=args.prompt_chars)
-    out = Path(args.out or f"bench/results/sweep-{time.strftime('%Y%m%d-%H%M%S')}")
+                   threads=args.threads, modes=args.modes.split(","), prompt_chars=args.prompt_chars,
+                   log_dir=out / "logs")
     out.mkdir(parents=True, exist_ok=True)
     table = markdown(points)
     (out / "sweep.json").write_text(json.dumps({"args": vars(args), "points": [asdict(p) for p in points]},

@@ -170,9 +170,10 @@ class Fleet:
                 return True
         return False
 
-    def plain(self, verify: Callable[[int], float | None]) -> bool:
-        """Whether steps now decode without drafting; `verify`: v(T), the target's pass of T tokens."""
-        decision, why = self._plain(verify)
+    def plain(self, verify: Callable[[int], float | None], decode: bool = True) -> bool:
+        """Whether steps now decode without drafting; `verify`: v(T), the target's pass of T
+        tokens. Only a decode step (not a prefill, which is never charged) may measure drafting."""
+        decision, why = self._plain(verify, decode)
         bucket = load_bucket(self.deployment.active)
         if self.deployment.active >= 2 and self._logged.get(bucket) != decision:
             self._logged[bucket] = decision
@@ -180,7 +181,7 @@ class Fleet:
                      "decoding plain" if decision else "drafting", why)
         return decision
 
-    def _plain(self, verify: Callable[[int], float | None]) -> tuple[bool, str]:
+    def _plain(self, verify: Callable[[int], float | None], decode: bool) -> tuple[bool, str]:
         n = self.deployment.active
         if not self.enabled or n < 2:
             return False, "the per-step policy"
@@ -191,6 +192,8 @@ class Fleet:
         if drafting is None or drafting[1] < self.min_steps:
             # Draft, and measure what it costs at this load: min_steps steps, then plain
             # until they are in.
+            if not decode:
+                return False, "a prefill, drafting not measured yet"
             granted, since = self.measuring.get(bucket, (0, self.clock()))
             if self.clock() - since > self.keep_s:  # they never came in (cancelled, k = 0): again
                 granted, since = 0, self.clock()
@@ -283,12 +286,13 @@ class Speculation:
         prior = self.costs.alpha.value if self.costs.alpha.value is not None else 0.7
         return (self.accepted + prior * self.prior_weight) / (self.tested + self.prior_weight)
 
-    def choose(self, remaining: int) -> int:
-        """k for the next step; never drafts past what can still be committed."""
+    def choose(self, remaining: int, prefill: bool = False) -> int:
+        """k for the next step (a prefill: the k the draft prefills for); never drafts past
+        what can still be committed."""
         cap = max(0, min(self.max_k, remaining - 1))
         if self.policy == "fixed" or cap == 0:
             return cap
-        if self.costs.fleet.plain(self.costs.verify):
+        if self.costs.fleet.plain(self.costs.verify, decode=not prefill):
             return 0
         t_draft = self.costs.draft_ms_per_token.value
         if t_draft is None:

@@ -55,7 +55,7 @@ async def speculate(gen: Generation, proposer: Proposer | None, target: TargetSe
         target_seed = int(torch.randint(0, 2**62, (1,), generator=rng))
         started = time.perf_counter()
         prefill, target_synced = target.synced == 0, target.synced
-        k = policy.choose(remaining)
+        k = policy.choose(remaining, prefill)
         wait_ms = 0.0
         # The draft keys its draws by (request seed, position), so a block drafted ahead is
         # the block drafted now; with overlap it drafts the next k while the target verifies.

@@ -251,6 +251,8 @@ def test_only_a_few_requests_draft_to_measure_a_new_load() -> None:
     # decode plain until the figure is in, and again once it says plain is cheaper.
     clock = Clock()
     costs = fleet_costs(32, shared=True, clock=clock)
+    # Their prefills measure nothing (a prefill is never charged), so they take no place.
+    assert [costs.fleet.plain(costs.verify, decode=False) for _ in range(32)] == [False] * 32
     assert [costs.fleet.plain(costs.verify) for _ in range(32)] == [False] * 2 + [True] * 30
     draft_steps(costs, 2, sessions_per_pass=2)
     plain_steps(costs, 4, sessions_per_pass=30)
