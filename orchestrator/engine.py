@@ -132,7 +132,7 @@ class Engine:
             raise ValueError("--proposer draft-model needs draft replicas (--draft or "
                              "--draft-service-name)")
         # Acceptance and draft cost differ per proposer; verify costs are the target's, shared.
-        self.deployment = Deployment()
+        self.deployment = Deployment(overlap=self.overlap)
         target_costs = CostModel(fleet=Fleet(self.deployment, config.fleet == "on", config.fleet_keep_s))
         self.costs: dict[str, CostModel] = collections.defaultdict(target_costs.for_proposer)
         self.default_proposer = config.proposer or ("draft-model" if self.has_drafts else "none")
@@ -257,7 +257,7 @@ class Engine:
             return
         self.deployment.draft_shares_target = True  # the fleet charges drafting its draft time
         if self.config.overlap == "auto" and self.overlap:
-            self.overlap = False
+            self.overlap = self.deployment.overlap = False
             log.info("--overlap auto: draft %s shares the target's hardware (%s), so draft and "
                      "target take turns (--overlap on drafts ahead anyway)", address,
                      "CPUs " + ",".join(map(str, sorted(draft.cpu_ids))) if draft.device.startswith("cpu")

@@ -95,6 +95,7 @@ class Deployment:
 
     active: int = 0
     draft_shares_target: bool = False
+    overlap: bool = True  # drafts draft ahead (--overlap, as the orchestrator resolved it)
 
 
 def load_bucket(active: int) -> int:
