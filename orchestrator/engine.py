@@ -107,8 +107,6 @@ class Engine:
         self.targets: ReplicaPool | None = None
         if config.overlap not in OVERLAP_SETTINGS:
             raise ValueError(f"--overlap must be one of {', '.join(OVERLAP_SETTINGS)}, got {config.overlap!r}")
-        # auto: on until a draft replica turns out to share a target replica's hardware.
-        self.overlap = config.overlap != "off"
         if config.fleet not in ("on", "off") or config.fleet_keep_s <= 0:
             raise ValueError(f"--fleet must be on or off and --fleet-keep-s > 0, got "
                              f"{config.fleet!r} and {config.fleet_keep_s}")
@@ -132,7 +130,8 @@ class Engine:
             raise ValueError("--proposer draft-model needs draft replicas (--draft or "
                              "--draft-service-name)")
         # Acceptance and draft cost differ per proposer; verify costs are the target's, shared.
-        self.deployment = Deployment(overlap=self.overlap)
+        # overlap, auto: on until a draft replica turns out to share a target replica's hardware.
+        self.deployment = Deployment(overlap=config.overlap != "off")
         target_costs = CostModel(fleet=Fleet(self.deployment, config.fleet == "on", config.fleet_keep_s))
         self.costs: dict[str, CostModel] = collections.defaultdict(target_costs.for_proposer)
         self.default_proposer = config.proposer or ("draft-model" if self.has_drafts else "none")
@@ -256,8 +255,8 @@ class Engine:
         if not any(shares_compute(draft, target) for target in targets):
             return
         self.deployment.draft_shares_target = True  # the fleet charges drafting its draft time
-        if self.config.overlap == "auto" and self.overlap:
-            self.overlap = self.deployment.overlap = False
+        if self.config.overlap == "auto" and self.deployment.overlap:
+            self.deployment.overlap = False
             log.info("--overlap auto: draft %s shares the target's hardware (%s), so draft and "
                      "target take turns (--overlap on drafts ahead anyway)", address,
                      "CPUs " + ",".join(map(str, sorted(draft.cpu_ids))) if draft.device.startswith("cpu")
@@ -370,7 +369,7 @@ class Engine:
         if drafts.ready:
             self._draftless = False
             return DraftModelProposer(DraftSession(drafts, session_id, deadline),
-                                      self.config.max_support_size, self.overlap)
+                                      self.config.max_support_size, self.deployment.overlap)
         if not self._draftless:
             log.warning("no draft replica is ready: decoding with the target alone until one is")
             self._draftless = True

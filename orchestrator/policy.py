@@ -158,13 +158,14 @@ class Fleet:
             return None
         if self.clock() - known[2] > self.keep_s:  # stale: measure it again, from scratch
             del self.cost_per_token[(bucket, plain)]
-            self.measuring.pop(bucket, None)
+            if not plain:
+                self.measuring.pop(bucket, None)  # drafting is measured afresh
             return None
         return known[0].value, known[1]
 
     def _plain_below(self, bucket: int) -> bool:
         """Whether plain decoding measured cheaper, and recently, at a lighter load (2+)."""
-        for lighter in (b for b in (2 ** i for i in range(1, bucket.bit_length() - 1)) if b < bucket):
+        for lighter in (1 << i for i in range(1, bucket.bit_length() - 1)):  # 2, 4, ... < bucket
             drafting, plain = self._measured(lighter, plain=False), self._measured(lighter, plain=True)
             if drafting is not None and plain is not None and drafting[1] >= self.min_steps \
                     and plain[0] < drafting[0]:
@@ -174,42 +175,43 @@ class Fleet:
     def plain(self, verify: Callable[[int], float | None], decode: bool = True) -> bool:
         """Whether steps now decode without drafting; `verify`: v(T), the target's pass of T
         tokens. Only a decode step (not a prefill, which is never charged) may measure drafting."""
-        decision, why = self._plain(verify, decode)
+        decision, why, figures = self._plain(verify, decode)
         bucket = load_bucket(self.deployment.active)
         if self.deployment.active >= 2 and self._logged.get(bucket) != decision:
             self._logged[bucket] = decision
-            log.info("fleet: %d requests running: %s (%s)", self.deployment.active,
-                     "decoding plain" if decision else "drafting", why)
+            log.info("fleet: %d requests running: %s (" + why + ")", self.deployment.active,
+                     "decoding plain" if decision else "drafting", *figures)
         return decision
 
-    def _plain(self, verify: Callable[[int], float | None], decode: bool) -> tuple[bool, str]:
+    def _plain(self, verify: Callable[[int], float | None], decode: bool) -> tuple[bool, str, tuple[float, ...]]:
+        """The decision, and why: a log format and its arguments."""
         n = self.deployment.active
         if not self.enabled or n < 2:
-            return False, "the per-step policy"
+            return False, "the per-step policy", ()
         bucket = load_bucket(n)
         drafting = self._measured(bucket, plain=False)
         if (drafting is None or drafting[1] < self.min_steps) and self._plain_below(bucket):
-            return True, "plain won at a lighter load"  # more load only favours it more
+            return True, "plain won at a lighter load", ()  # more load only favours it more
         if drafting is None or drafting[1] < self.min_steps:
             # Draft, and measure what it costs at this load: min_steps steps, then plain
             # until they are in.
             if not decode:
-                return False, "a prefill, drafting not measured yet"
+                return False, "a prefill, drafting not measured yet", ()
             granted, since = self.measuring.get(bucket, (0, self.clock()))
             if self.clock() - since > self.keep_s:  # they never came in (cancelled, k = 0): again
                 granted, since = 0, self.clock()
             if granted >= self.min_steps:
-                return True, "while drafting is measured"
+                return True, "while drafting is measured", ()
             self.measuring[bucket] = (granted + 1, since)
-            return False, "measuring what drafting costs"
+            return False, "measuring what drafting costs", ()
         plain = self._measured(bucket, plain=True)
         if plain is None:
             one_pass = verify(n)
             if one_pass is None:
-                return True, "no plain pass measured yet"  # a plain step measures it
-            return one_pass / n < drafting[0], (f"{one_pass / n:.0f} ms a plain token, from v({n}), "
-                                                f"against {drafting[0]:.0f} drafting")
-        return plain[0] < drafting[0], f"{plain[0]:.0f} ms a plain token against {drafting[0]:.0f} drafting"
+                return True, "no plain pass measured yet", ()  # a plain step measures it
+            return (one_pass / n < drafting[0], "%.0f ms a plain token, from v(%d), against %.0f drafting",
+                    (one_pass / n, n, drafting[0]))
+        return plain[0] < drafting[0], "%.0f ms a plain token against %.0f drafting", (plain[0], drafting[0])
 
 
 @dataclass
