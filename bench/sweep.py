@@ -11,10 +11,17 @@ The same greedy requests (HumanEval prompts, EOS ignored, a fixed number of toke
   cost model alone (--fleet off);
 - batched speculation no-overlap (likewise): the same, taking turns (--overlap off).
 
-Per point: tokens/s (all completion tokens over the wall time), p50/p99 time to first
-token, p50/p99 inter-token latency (the gap before each streamed delta, spread over its
-tokens), and the target's mean sessions per pass. It writes JSON, a Markdown table and a
-PNG under bench/results/sweep-<time>/.
+Every mode's stack is started first and held for the whole sweep. The modes then take turns
+point by point: at each concurrency, each mode runs once per repeat, in an order that rotates
+by one mode per repeat. So a slow spell of the machine falls on every mode alike, rather than
+on whichever mode's whole sweep it happened to meet, and the ratios between modes stay true.
+Idle stacks cost nothing: their threads sleep (OMP_WAIT_POLICY=PASSIVE).
+
+Per point, the median over the repeats of: tokens/s (all completion tokens over the wall
+time), p50/p99 time to first token, p50/p99 inter-token latency (the gap before each
+streamed delta, spread over its tokens), and the target's mean sessions per pass; beside it
+every repeat's tokens/s. It writes JSON, a Markdown table and a PNG under
+bench/results/sweep-<time>/.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ import json
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +41,7 @@ import grpc
 from bench.load import percentile
 from bench.prompts import prompts as bench_prompts
 from tandem import models
-from tandem.launch import Process, start_stack
+from tandem.launch import Process, Stack, start_stack
 from tandem.server import CHANNEL_OPTIONS
 from tandem.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 
@@ -64,6 +71,7 @@ class Point:
     itl_p50_ms: float
     itl_p99_ms: float
     mean_batch_sessions: float
+    runs_tokens_per_s: list[float] = field(default_factory=list)  # every repeat, in run order
 
 
 async def _one(stub: Any, prompt: str, max_new_tokens: int, k: int | None) -> tuple[int, float, list[float]]:
@@ -108,59 +116,98 @@ def _batch_counts(target: Process) -> tuple[float, float]:
     return samples.get("tandem_batch_sessions_sum", 0.0), samples.get("tandem_batch_sessions_count", 0.0)
 
 
+def _measure(stack: Stack, mode: str, prompts: Sequence[str], clients: int, max_new_tokens: int,
+             k: int | None) -> Point:
+    before = _batch_counts(stack.targets[0])
+    results, wall = asyncio.run(_drive(stack.address, prompts, clients, max_new_tokens, k))
+    after = _batch_counts(stack.targets[0])
+    tokens = sum(r[0] for r in results)
+    ttfts = [r[1] * 1000 for r in results]
+    gaps = [g * 1000 for r in results for g in r[2]]
+    passes = after[1] - before[1]
+    return Point(mode, clients, len(results), tokens, wall, tokens / wall,
+                 statistics.median(ttfts), percentile(ttfts, 99),
+                 statistics.median(gaps) if gaps else 0.0, percentile(gaps, 99),
+                 (after[0] - before[0]) / passes if passes else 0.0)
+
+
+def median_point(runs: Sequence[Point]) -> Point:
+    """One point from repeats of it: the median of each figure, and every run's tokens/s."""
+    def med(name: str) -> float:
+        return float(statistics.median(getattr(r, name) for r in runs))
+
+    first = runs[0]
+    return Point(first.mode, first.clients, first.requests, first.tokens, med("wall_s"),
+                 med("tokens_per_s"), med("ttft_p50_ms"), med("ttft_p99_ms"), med("itl_p50_ms"),
+                 med("itl_p99_ms"), med("mean_batch_sessions"),
+                 [round(r.tokens_per_s, 3) for r in runs])
+
+
+def rotated(modes: Sequence[str], repeat: int) -> list[str]:
+    """The order the modes run in at one repeat: shifted by one mode per repeat."""
+    shift = repeat % len(modes)
+    return [*modes[shift:], *modes[:shift]]
+
+
 def sweep(draft: str, target: str, *, draft_args: Sequence[str], target_args: Sequence[str],
           concurrency: Sequence[int], max_new_tokens: int, min_requests: int, threads: int,
-          modes: Sequence[str], prompt_chars: int = 0, log_dir: Path | None = None) -> list[Point]:
+          modes: Sequence[str], prompt_chars: int = 0, log_dir: Path | None = None,
+          repeats: int = 1) -> list[Point]:
     texts = [p.text[-prompt_chars:] if prompt_chars else p.text
              for p in bench_prompts(num_code=max(*concurrency, min_requests), num_prose=0)]
-    points = []
-    for mode in modes:
-        flags, drafting, k, orchestrator_flags = MODES[mode]
-        metrics = ["--metrics-port", "0"]
-        logs = None if log_dir is None else log_dir / mode.replace(" ", "-")
-        if logs is not None:
-            logs.mkdir(parents=True, exist_ok=True)
-        stack = start_stack(draft if drafting else None, target, threads=threads,
-                            draft_args=[*draft_args, *flags, *metrics],
-                            target_args=[*target_args, *flags, *metrics],
-                            orchestrator_args=orchestrator_flags,
-                            log_dir=logs)
-        try:
-            asyncio.run(_drive(stack.address, texts[:1], 1, 4, k))  # warm-up
-            for clients in concurrency:
-                prompts = texts[:max(clients, min_requests)]
-                before = _batch_counts(stack.targets[0])
-                results, wall = asyncio.run(_drive(stack.address, prompts, clients, max_new_tokens, k))
-                after = _batch_counts(stack.targets[0])
-                tokens = sum(r[0] for r in results)
-                ttfts = [r[1] * 1000 for r in results]
-                gaps = [g * 1000 for r in results for g in r[2]]
-                passes = after[1] - before[1]
-                point = Point(mode, clients, len(results), tokens, wall, tokens / wall,
-                              statistics.median(ttfts), percentile(ttfts, 99),
-                              statistics.median(gaps) if gaps else 0.0, percentile(gaps, 99),
-                              (after[0] - before[0]) / passes if passes else 0.0)
-                points.append(point)
-                print(f"{mode:>20} x{clients:<3} {point.tokens_per_s:7.2f} tokens/s, TTFT p50 "
-                      f"{point.ttft_p50_ms:.0f} ms, ITL p50 {point.itl_p50_ms:.0f} ms, "
-                      f"{point.mean_batch_sessions:.1f} sessions/pass", flush=True)
-        finally:
+    stacks: dict[str, Stack] = {}
+    try:
+        for mode in modes:
+            flags, drafting, k, orchestrator_flags = MODES[mode]
+            metrics = ["--metrics-port", "0"]
+            logs = None if log_dir is None else log_dir / mode.replace(" ", "-")
+            if logs is not None:
+                logs.mkdir(parents=True, exist_ok=True)
+            stacks[mode] = start_stack(draft if drafting else None, target, threads=threads,
+                                       draft_args=[*draft_args, *flags, *metrics],
+                                       target_args=[*target_args, *flags, *metrics],
+                                       orchestrator_args=orchestrator_flags, log_dir=logs)
+            asyncio.run(_drive(stacks[mode].address, texts[:1], 1, 4, k))  # warm-up
+        points: list[Point] = []
+        for clients in concurrency:
+            prompts = texts[:max(clients, min_requests)]
+            runs: dict[str, list[Point]] = {mode: [] for mode in modes}
+            for repeat in range(repeats):
+                for mode in rotated(modes, repeat):
+                    run = _measure(stacks[mode], mode, prompts, clients, max_new_tokens, MODES[mode][2])
+                    runs[mode].append(run)
+                    print(f"{mode:>30} x{clients:<3} run {repeat + 1}/{repeats}: "
+                          f"{run.tokens_per_s:7.2f} tokens/s, TTFT p50 {run.ttft_p50_ms:.0f} ms, "
+                          f"ITL p50 {run.itl_p50_ms:.0f} ms, {run.mean_batch_sessions:.1f} sessions/pass",
+                          flush=True)
+            points.extend(median_point(runs[mode]) for mode in modes)
+    finally:
+        for stack in stacks.values():
             stack.stop()
-    return points
+    return sorted(points, key=lambda p: (list(modes).index(p.mode), p.clients))
+
+
+def ratio(point: Point, base: Point) -> float:
+    """How many times `base`'s tokens/s `point` reached: the median of the repeats' ratios, each
+    between two runs made one beside the other (so drift between repeats cancels)."""
+    pairs = list(zip(point.runs_tokens_per_s, base.runs_tokens_per_s, strict=False))
+    if len(point.runs_tokens_per_s) != len(base.runs_tokens_per_s) or not pairs:
+        return point.tokens_per_s / base.tokens_per_s
+    return float(statistics.median(a / b for a, b in pairs))
 
 
 def markdown(points: Sequence[Point]) -> str:
-    base = {p.clients: p.tokens_per_s for p in points if p.mode == "per-session k=0"}
-    batched = {p.clients: p.tokens_per_s for p in points if p.mode == "batched k=0"}
+    base = {p.clients: p for p in points if p.mode == "per-session k=0"}
+    batched = {p.clients: p for p in points if p.mode == "batched k=0"}
     header = ("| mode | clients | tokens/s | vs per-session k=0 | vs batched k=0 | TTFT p50 / p99 ms | "
-              "ITL p50 / p99 ms | sessions per pass |")
-    lines = [header, "|---|---|---|---|---|---|---|---|"]
+              "ITL p50 / p99 ms | sessions per pass | tokens/s per run |")
+    lines = [header, "|---|---|---|---|---|---|---|---|---|"]
     for p in points:
-        vs_base = f"{p.tokens_per_s / base[p.clients]:.2f}x" if p.clients in base else "-"
-        vs_batched = f"{p.tokens_per_s / batched[p.clients]:.2f}x" if p.clients in batched else "-"
+        vs_base = f"{ratio(p, base[p.clients]):.2f}x" if p.clients in base else "-"
+        vs_batched = f"{ratio(p, batched[p.clients]):.2f}x" if p.clients in batched else "-"
         lines.append(f"| {p.mode} | {p.clients} | {p.tokens_per_s:.2f} | {vs_base} | {vs_batched} | "
                      f"{p.ttft_p50_ms:.0f} / {p.ttft_p99_ms:.0f} | {p.itl_p50_ms:.0f} / {p.itl_p99_ms:.0f} | "
-                     f"{p.mean_batch_sessions:.1f} |")
+                     f"{p.mean_batch_sessions:.1f} | {', '.join(f'{t:.2f}' for t in p.runs_tokens_per_s)} |")
     return "\n".join(lines)
 
 
@@ -201,6 +248,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--min-requests", type=int, default=4, help="requests per point, at least")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per service")
     parser.add_argument("--modes", default=",".join(DEFAULT_MODES))
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="runs of every mode at each concurrency, interleaved; the median is kept")
     parser.add_argument("--prompt-chars", type=int, default=0,
                         help="keep only each prompt's last N characters (0: whole prompts)")
     parser.add_argument("--out", default="", help="directory for the results")
@@ -211,7 +260,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                    concurrency=[int(c) for c in args.concurrency.split(",")],
                    max_new_tokens=args.max_new_tokens, min_requests=args.min_requests,
                    threads=args.threads, modes=args.modes.split(","), prompt_chars=args.prompt_chars,
-                   log_dir=out / "logs")
+                   log_dir=out / "logs", repeats=args.repeats)
     out.mkdir(parents=True, exist_ok=True)
     table = markdown(points)
     (out / "sweep.json").write_text(json.dumps({"args": vars(args), "points": [asdict(p) for p in points]},

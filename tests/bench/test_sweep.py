@@ -1,4 +1,5 @@
-"""`tandem bench-load --sweep` end to end on the tiny pair: every mode and point, and its files."""
+"""`tandem bench-load --sweep`: its arithmetic, and end to end on the tiny pair: every mode and
+point, interleaved, and its files."""
 
 from __future__ import annotations
 
@@ -7,22 +8,51 @@ from pathlib import Path
 
 import pytest
 
-from bench.sweep import main
-
-pytestmark = pytest.mark.slow  # three stacks of real processes
+from bench.sweep import Point, main, median_point, ratio, rotated
 
 
+def _point(mode: str, tokens_per_s: float, runs: list[float] | None = None) -> Point:
+    return Point(mode, 4, 4, 24, 1.0, tokens_per_s, 10.0, 20.0, 1.0, 2.0, 3.0, runs or [])
+
+
+def test_every_mode_takes_each_place_in_turn() -> None:
+    modes = ["a", "b", "c"]
+    orders = [rotated(modes, repeat) for repeat in range(3)]
+    assert orders == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]]
+    assert rotated(modes, 3) == modes
+    for place in range(3):  # so a slow first (or last) place falls on each mode once
+        assert sorted(order[place] for order in orders) == modes
+
+
+def test_a_point_keeps_the_median_of_its_repeats_and_every_run() -> None:
+    runs = [_point("m", t) for t in (3.0, 1.0, 2.0)]
+    runs[1].ttft_p50_ms = 99.0
+    merged = median_point(runs)
+    assert merged.tokens_per_s == 2.0 and merged.ttft_p50_ms == 10.0
+    assert merged.runs_tokens_per_s == [3.0, 1.0, 2.0]
+
+
+def test_ratios_pair_runs_made_side_by_side() -> None:
+    # A slow spell in the second repeat slows both modes: the paired ratios stay 2.
+    fast = _point("spec", 4.0, [4.0, 2.0, 4.0])
+    base = _point("k=0", 2.0, [2.0, 1.0, 2.0])
+    assert ratio(fast, base) == 2.0
+    assert ratio(_point("x", 3.0), _point("y", 2.0)) == 1.5  # no runs: the medians
+
+
+@pytest.mark.slow  # three stacks of real processes
 def test_the_sweep_measures_every_mode_at_every_concurrency(tiny_draft: Path, tiny_target: Path,
                                                           tmp_path: Path) -> None:
     main(["--draft", str(tiny_draft), "--target", str(tiny_target), "--draft-args", "",
           "--target-args", "", "--concurrency", "1,4", "--max-new-tokens", "6",
-          "--prompt-chars", "40", "--out", str(tmp_path)])
+          "--prompt-chars", "40", "--repeats", "2", "--out", str(tmp_path)])
     points = json.loads((tmp_path / "sweep.json").read_text())["points"]
     assert [(p["mode"], p["clients"]) for p in points] == [
         (mode, clients) for mode in ("per-session k=0", "batched k=0", "batched speculation")
         for clients in (1, 4)]
     for p in points:
         assert p["tokens"] == 6 * p["requests"] and p["tokens_per_s"] > 0
+        assert len(p["runs_tokens_per_s"]) == 2
     by = {(p["mode"], p["clients"]): p for p in points}
     assert by[("per-session k=0", 4)]["mean_batch_sessions"] == 1.0  # the unbatched baseline
     assert by[("batched k=0", 4)]["mean_batch_sessions"] > 1.0
