@@ -42,10 +42,27 @@ from tandem.kv import KVSession, Segment, SessionTable, segment_layout, tree_seg
 log = logging.getLogger(__name__)
 
 EMPTY_SEGMENT = Segment((), (), torch.zeros(0, 0, dtype=torch.bool))
-# A tick waits for the last pass's sessions up to this share of that pass's time, and at most
-# MAX_BATCH_WAIT_S: a few ms against a pass of hundreds on a CPU.
-BATCH_WAIT_SHARE = 0.05
-MAX_BATCH_WAIT_S = 0.02
+# A tick waits for the last passes' sessions that come back quickly (see `awaited`) up to this
+# share of the last pass's time, and at most MAX_BATCH_WAIT_S: a round trip through the
+# orchestrator is a few ms against a GPU pass of tens and a CPU pass of hundreds.
+BATCH_WAIT_SHARE = 0.25
+MAX_BATCH_WAIT_S = 0.25
+
+
+def awaited(away_s: dict[int, float | None], queued: set[int], budget_s: float) -> tuple[set[int], float]:
+    """Whom a tick waits for, and for how long after the last pass ended.
+
+    `away_s`: each session of the last two passes, with the time its last return took (from
+    the end of its pass to its next pass arriving; None: not back since it was first served).
+    A session whose return takes at most `budget_s` is waited for: its next pass would
+    otherwise open a cohort of its own, and cohorts take turns at the model for good. One away
+    longer (at the draft between its target passes, say, or at the target between its blocks)
+    is not, nor one not seen back yet: when it is, its return is known, and a cohort it opened
+    merges at the next pass. The wait lasts up to twice the longest return awaited.
+    """
+    waiting = {sid for sid, away in away_s.items() if sid not in queued and away is not None and away <= budget_s}
+    longest = max((away for sid, away in away_s.items() if sid in waiting and away is not None), default=0.0)
+    return waiting, min(budget_s, 2 * longest + 0.002) if waiting else 0.0
 
 
 @dataclass(frozen=True, eq=False)
@@ -286,9 +303,12 @@ class StepScheduler:
         self.max_tokens = max_tokens
         self.buckets = buckets  # pad every pass's tokens to one of these (GPU shapes)
         self.max_batch_wait_s, self.batch_wait_share = MAX_BATCH_WAIT_S, BATCH_WAIT_SHARE
-        self.batch_wait_s = 0.0  # how long a tick waits for recent sessions (see _take)
+        self.batch_wait_s = 0.0  # the most a tick waits for recent sessions (see awaited)
         self._last: set[int] = set()  # sessions of the last pass
-        self._recent: set[int] = set()  # sessions of the last two passes
+        # Sessions of the last two passes, with how long their last return took (None: unseen).
+        self._recent: dict[int, float | None] = {}
+        self._ended: dict[int, float] = {}  # when each recent session's last pass ended
+        self._pass_ended = 0.0
         self.on_batch = on_batch
         self.sessions = sessions  # protects a running pass's session from eviction
         self._queue: deque[_Queued] = deque()
@@ -329,6 +349,9 @@ class StepScheduler:
         future: asyncio.Future[PassOutput] = loop.create_future()
         with self._ready:
             p.session.pending += 1  # until the worker has run or skipped it
+            sid = id(p.session)
+            if sid in self._ended:
+                self._recent[sid] = time.perf_counter() - self._ended[sid]
             self._queue.append(_Queued(p, future, loop))
             self._ready.notify()
         return await future
@@ -338,12 +361,14 @@ class StepScheduler:
             while not self._queue:
                 self._ready.wait()
             # Sessions served by the last two passes are usually a round trip away from their
-            # next pass. Without a short wait for them, two sessions can fall into lockstep, each
-            # arriving while the other's pass runs, and never share one. So wait for the
-            # recent sessions up to a small share of a pass (cost-free where passes are flat).
-            deadline = time.perf_counter() + self.batch_wait_s
-            while (len(self._queue) < min(len(self._recent), self.max_sessions)
-                   and (left := deadline - time.perf_counter()) > 0):
+            # next pass. Without a wait for them, sessions fall into cohorts that take turns,
+            # each arriving while the other's pass runs, and never share one.
+            while len(self._queue) < self.max_sessions:
+                waiting, wait_s = awaited(self._recent, {id(q.p.session) for q in self._queue},
+                                          self.batch_wait_s)
+                left = self._pass_ended + wait_s - time.perf_counter()
+                if not waiting or left <= 0:
+                    break
                 self._ready.wait(left)
             batch = [self._queue.popleft()]
             tokens, sessions = batch[0].p.num_tokens, {id(batch[0].p.session)}
@@ -413,7 +438,11 @@ class StepScheduler:
             outputs = self._forward(live)
             stats = BatchStats(len(live), sum(q.p.num_tokens for q in live),
                                (time.perf_counter() - started) * 1000.0)
-            self._recent, self._last = self._last | (ids := {id(q.p.session) for q in live}), ids
+            with self._ready:
+                ended, ids = time.perf_counter(), {id(q.p.session) for q in live}
+                self._recent = {sid: self._recent.get(sid) for sid in self._last | ids}
+                self._ended = {sid: ended if sid in ids else self._ended[sid] for sid in self._recent}
+                self._last, self._pass_ended = ids, ended
             self.batch_wait_s = min(self.max_batch_wait_s, self.batch_wait_share * stats.ms / 1000.0)
             try:
                 self.on_batch(stats)

@@ -265,6 +265,45 @@ def test_two_sessions_do_not_fall_into_lockstep() -> None:
     assert sum(s.sessions == 2 for s in seen) > 20, [s.sessions for s in seen]
 
 
+def test_a_tick_waits_only_for_sessions_that_come_back_within_its_budget() -> None:
+    away = {1: 0.010, 2: 0.300, 3: None, 4: 0.020}
+    # 1 and 4 come back in 10-20 ms: waited for, up to twice the longer return (and 2 ms).
+    assert batching.awaited(away, queued=set(), budget_s=0.1) == ({1, 4}, 0.042)
+    # 2 is at the draft (300 ms), 3 not back yet since its first pass: neither holds the pass.
+    assert batching.awaited(away, queued={1, 4}, budget_s=0.1) == (set(), 0.0)
+    assert batching.awaited(away, queued={4}, budget_s=0.015) == ({1}, 0.015)  # at most the budget
+
+
+def test_cohorts_merge_when_a_round_trip_outlasts_the_old_fixed_wait() -> None:
+    """Found by the load sweep: 8 real sessions split into two cohorts of 4 that took turns at
+    the target, each arriving while the other's pass ran, because a tick waited at most 5% of
+    a pass (20 ms) and a round trip through the orchestrator took longer. Here a pass takes
+    ~200 ms and each session is 15 ms away between its passes: a tick waits for sessions that
+    usually return within a quarter of a pass (the defaults), so the cohorts merge."""
+    model = llama()
+    seen: list[batching.BatchStats] = []
+    scheduler = StepScheduler(max_sessions=8, max_tokens=64, on_batch=seen.append)
+    scheduler.start(model)
+
+    def slow(module: torch.nn.Module, args: object) -> None:
+        threading.Event().wait(0.2)  # a pass as slow, next to its round trips, as on a CPU
+
+    model.model.layers[0].register_forward_pre_hook(slow)
+
+    async def decode(session: KVSession, delay: float) -> None:
+        await asyncio.sleep(delay)
+        await scheduler(Pass(session, 0, (3, 4, 5, 6)))
+        for token in range(12):
+            await asyncio.sleep(0.015)  # the reply's way to the orchestrator and the next step's back
+            await scheduler(Pass(session, session.length, (3 + token % 20,)))
+
+    async def cohorts() -> None:  # the second cohort arrives while the first one's pass runs
+        await asyncio.gather(*(decode(KVSession(f"s{i}", VOCAB), 0.0 if i < 2 else 0.05) for i in range(4)))
+
+    asyncio.run(cohorts())
+    assert sum(s.sessions == 4 for s in seen) >= 8, [s.sessions for s in seen]
+
+
 def test_a_batched_pass_attends_session_by_session(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each session's rows attend to its own keys only: no call sees another session's keys
     (the masked scores between sessions are never computed), and the logits stay exact."""
