@@ -295,8 +295,16 @@ class Speculation:
         cap = max(0, min(self.max_k, remaining - 1))
         if self.policy == "fixed" or cap == 0:
             return cap
-        if self.costs.fleet.plain(self.costs.verify, decode=not prefill):
+        k = self._per_step(cap)
+        # Only a step that would draft asks the fleet: one that would not must not take a
+        # place measuring drafting at this load (it would report plain, and the places stay
+        # taken until keep_s passes, every other step held plain meanwhile).
+        if k == 0 or self.costs.fleet.plain(self.costs.verify, decode=not prefill):
             return 0
+        return k
+
+    def _per_step(self, cap: int) -> int:
+        """The k that maximises tokens per unit of this step's time (at most `cap`)."""
         t_draft = self.costs.draft_ms_per_token.value
         if t_draft is None:
             return cap  # nothing measured yet: speculate, and learn

@@ -9,6 +9,7 @@ from orchestrator.policy import (
     Acceptance,
     CostModel,
     Deployment,
+    Ema,
     Fleet,
     Speculation,
     expected_tokens,
@@ -262,6 +263,25 @@ def test_only_a_few_requests_draft_to_measure_a_new_load() -> None:
     assert [other.fleet.plain(other.verify) for _ in range(3)] == [False] * 2 + [True]
     clock.now += 61.0
     assert other.fleet.plain(other.verify) is False
+
+
+def test_a_step_the_per_step_policy_would_not_draft_takes_no_measuring_place() -> None:
+    """Found in the load sweep: at 4 and 8 clients the places measuring drafting went to steps
+    the per-step policy then ran plain, so drafting was never measured there, and every
+    other step was held plain "while drafting is measured" until keep_s (60 s) passed."""
+    costs = fleet_costs(8, shared=True, clock=Clock())
+    costs.batch_sessions.value = 8.0
+    for tokens in range(8, 41, 8):  # a compute-bound target: 100 + 50 T ms
+        costs.verify_ms[tokens] = Ema()
+        costs.verify_ms[tokens].value = 100 + 50.0 * tokens
+    assert [Speculation("adaptive", 4, costs).choose(remaining=100) for _ in range(4)] == [0] * 4
+    assert 8 not in costs.fleet.measuring
+    costs.draft_ms_per_token.value = 5.0  # a cheap draft and a flat target: the per-step policy drafts
+    for tokens in range(8, 41, 8):
+        costs.verify_ms[tokens].value = 100 + 1.0 * tokens
+    ks = [Speculation("adaptive", 4, costs).choose(remaining=100) for _ in range(4)]
+    assert all(k > 0 for k in ks[:2]) and ks[2:] == [0, 0]  # two measure; the rest wait plain
+    assert costs.fleet.measuring[8][0] == 2
 
 
 def test_where_plain_won_at_a_lighter_load_a_heavier_one_is_not_measured_again() -> None:
