@@ -71,17 +71,25 @@ class Point:
     itl_p50_ms: float
     itl_p99_ms: float
     mean_batch_sessions: float
+    drafted_per_token: float = 0.0  # drafted tokens per completion token: how much the policy drafted
+    accepted_per_token: float = 0.0  # of those, accepted
     runs_tokens_per_s: list[float] = field(default_factory=list)  # every repeat, in run order
 
 
-async def _one(stub: Any, prompt: str, max_new_tokens: int, k: int | None) -> tuple[int, float, list[float]]:
+Result = tuple[int, float, list[float], int, int]  # tokens, TTFT s, gaps s, drafted, accepted
+
+
+async def _one(stub: Any, prompt: str, max_new_tokens: int, k: int | None) -> Result:
     request = orchestrator_pb2.GenerateRequest(prompt=prompt, max_new_tokens=max_new_tokens, ignore_eos=True,
                                                sampling=common_pb2.SamplingParams(temperature=0.0))
     if k is not None:
         request.num_speculative_tokens = k
     started = last = time.perf_counter()
-    tokens, ttft, gaps = 0, 0.0, []
+    tokens, ttft, gaps, drafted, accepted = 0, 0.0, [], 0, 0
     async for message in stub.Generate(request, timeout=3600):
+        if message.HasField("summary"):
+            usage = message.summary.usage
+            drafted, accepted = usage.drafted_tokens, usage.accepted_tokens
         if message.HasField("delta") and message.delta.token_ids:
             now = time.perf_counter()
             n = len(message.delta.token_ids)
@@ -90,15 +98,15 @@ async def _one(stub: Any, prompt: str, max_new_tokens: int, k: int | None) -> tu
             else:
                 gaps.extend([(now - last) / n] * n)
             tokens, last = tokens + n, now
-    return tokens, ttft, gaps
+    return tokens, ttft, gaps, drafted, accepted
 
 
 async def _drive(address: str, prompts: Sequence[str], clients: int, max_new_tokens: int,
-                 k: int | None) -> tuple[list[tuple[int, float, list[float]]], float]:
+                 k: int | None) -> tuple[list[Result], float]:
     queue: asyncio.Queue[str] = asyncio.Queue()
     for prompt in prompts:
         queue.put_nowait(prompt)
-    results: list[tuple[int, float, list[float]]] = []
+    results: list[Result] = []
 
     async def client() -> None:
         async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
@@ -128,7 +136,8 @@ def _measure(stack: Stack, mode: str, prompts: Sequence[str], clients: int, max_
     return Point(mode, clients, len(results), tokens, wall, tokens / wall,
                  statistics.median(ttfts), percentile(ttfts, 99),
                  statistics.median(gaps) if gaps else 0.0, percentile(gaps, 99),
-                 (after[0] - before[0]) / passes if passes else 0.0)
+                 (after[0] - before[0]) / passes if passes else 0.0,
+                 sum(r[3] for r in results) / tokens, sum(r[4] for r in results) / tokens)
 
 
 def median_point(runs: Sequence[Point]) -> Point:
@@ -139,8 +148,8 @@ def median_point(runs: Sequence[Point]) -> Point:
     first = runs[0]
     return Point(first.mode, first.clients, first.requests, first.tokens, med("wall_s"),
                  med("tokens_per_s"), med("ttft_p50_ms"), med("ttft_p99_ms"), med("itl_p50_ms"),
-                 med("itl_p99_ms"), med("mean_batch_sessions"),
-                 [round(r.tokens_per_s, 3) for r in runs])
+                 med("itl_p99_ms"), med("mean_batch_sessions"), med("drafted_per_token"),
+                 med("accepted_per_token"), [round(r.tokens_per_s, 3) for r in runs])
 
 
 def rotated(modes: Sequence[str], repeat: int) -> list[str]:
@@ -178,7 +187,8 @@ def sweep(draft: str, target: str, *, draft_args: Sequence[str], target_args: Se
                     runs[mode].append(run)
                     print(f"{mode:>30} x{clients:<3} run {repeat + 1}/{repeats}: "
                           f"{run.tokens_per_s:7.2f} tokens/s, TTFT p50 {run.ttft_p50_ms:.0f} ms, "
-                          f"ITL p50 {run.itl_p50_ms:.0f} ms, {run.mean_batch_sessions:.1f} sessions/pass",
+                          f"ITL p50 {run.itl_p50_ms:.0f} ms, {run.mean_batch_sessions:.1f} sessions/pass, "
+                          f"{run.drafted_per_token:.2f} drafted per token",
                           flush=True)
             points.extend(median_point(runs[mode]) for mode in modes)
     finally:
@@ -200,14 +210,15 @@ def markdown(points: Sequence[Point]) -> str:
     base = {p.clients: p for p in points if p.mode == "per-session k=0"}
     batched = {p.clients: p for p in points if p.mode == "batched k=0"}
     header = ("| mode | clients | tokens/s | vs per-session k=0 | vs batched k=0 | TTFT p50 / p99 ms | "
-              "ITL p50 / p99 ms | sessions per pass | tokens/s per run |")
-    lines = [header, "|---|---|---|---|---|---|---|---|---|"]
+              "ITL p50 / p99 ms | sessions per pass | drafted (accepted) per token | tokens/s per run |")
+    lines = [header, "|---|---|---|---|---|---|---|---|---|---|"]
     for p in points:
         vs_base = f"{ratio(p, base[p.clients]):.2f}x" if p.clients in base else "-"
         vs_batched = f"{ratio(p, batched[p.clients]):.2f}x" if p.clients in batched else "-"
         lines.append(f"| {p.mode} | {p.clients} | {p.tokens_per_s:.2f} | {vs_base} | {vs_batched} | "
                      f"{p.ttft_p50_ms:.0f} / {p.ttft_p99_ms:.0f} | {p.itl_p50_ms:.0f} / {p.itl_p99_ms:.0f} | "
-                     f"{p.mean_batch_sessions:.1f} | {', '.join(f'{t:.2f}' for t in p.runs_tokens_per_s)} |")
+                     f"{p.mean_batch_sessions:.1f} | {p.drafted_per_token:.2f} ({p.accepted_per_token:.2f}) | "
+                     f"{', '.join(f'{t:.2f}' for t in p.runs_tokens_per_s)} |")
     return "\n".join(lines)
 
 

@@ -226,9 +226,7 @@ def _up(args: argparse.Namespace) -> None:
     def ready(role: str) -> None:
         print(f"  {role} ready ({time.monotonic() - started:.0f}s)", flush=True)
 
-    # From here on SIGTERM (kill, docker stop, systemd) unwinds like Ctrl-C, so whatever has
-    # started is stopped, even while the models still load.
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    unwind_on_sigterm()
     device = ["--device", args.device]
     try:
         stack = start_stack(args.draft, args.target, draft_dtype=draft_dtype,
@@ -502,30 +500,37 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def unwind_on_sigterm() -> None:
+    """From here on SIGTERM (kill, docker stop, systemd) unwinds like Ctrl-C, so that a command
+    that started services (`tandem up`, the benches' stacks) stops them on its way out, even
+    while the models still load."""
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     apply_process_defaults(os.environ)  # first: nothing has loaded torch yet
     from tandem.launch import HELD_SIGNALS
 
     signal.pthread_sigmask(signal.SIG_UNBLOCK, HELD_SIGNALS)  # spawn forks services with them held
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["bench"]:  # the benchmark has its own flags: tandem bench --help
-        from bench.run import main as bench_main
-
-        bench_main(argv[1:])
-        return
-    if argv[:1] == ["bench-load"] and "--sweep" in argv:  # tandem bench-load --sweep --help
-        from bench.sweep import main as sweep_main
-
-        sweep_main([a for a in argv[1:] if a != "--sweep"])
-        return
-    if argv[:1] == ["bench-load"]:  # tandem bench-load --help
-        from bench.load import main as load_main
-
-        load_main(argv[1:])
-        return
-    args = build_parser(only=argv[0] if argv else "").parse_args(argv)
     try:
-        args.func(args)
+        if argv[:1] in (["bench"], ["bench-load"]):
+            unwind_on_sigterm()  # their stacks are stopped on the way out
+        if argv[:1] == ["bench"]:  # the benchmark has its own flags: tandem bench --help
+            from bench.run import main as bench_main
+
+            bench_main(argv[1:])
+        elif argv[:1] == ["bench-load"] and "--sweep" in argv:  # tandem bench-load --sweep --help
+            from bench.sweep import main as sweep_main
+
+            sweep_main([a for a in argv[1:] if a != "--sweep"])
+        elif argv[:1] == ["bench-load"]:  # tandem bench-load --help
+            from bench.load import main as load_main
+
+            load_main(argv[1:])
+        else:
+            args = build_parser(only=argv[0] if argv else "").parse_args(argv)
+            args.func(args)
     except KeyboardInterrupt:  # Ctrl-C: what was running has been stopped; no traceback
         sys.exit(130)
 

@@ -12,7 +12,7 @@ from bench.sweep import Point, main, median_point, ratio, rotated
 
 
 def _point(mode: str, tokens_per_s: float, runs: list[float] | None = None) -> Point:
-    return Point(mode, 4, 4, 24, 1.0, tokens_per_s, 10.0, 20.0, 1.0, 2.0, 3.0, runs or [])
+    return Point(mode, 4, 4, 24, 1.0, tokens_per_s, 10.0, 20.0, 1.0, 2.0, 3.0, 0.0, 0.0, runs or [])
 
 
 def test_every_mode_takes_each_place_in_turn() -> None:
@@ -56,5 +56,8 @@ def test_the_sweep_measures_every_mode_at_every_concurrency(tiny_draft: Path, ti
     by = {(p["mode"], p["clients"]): p for p in points}
     assert by[("per-session k=0", 4)]["mean_batch_sessions"] == 1.0  # the unbatched baseline
     assert by[("batched k=0", 4)]["mean_batch_sessions"] > 1.0
+    for p in points:  # what the policy drafted: nothing at k=0
+        assert p["drafted_per_token"] >= p["accepted_per_token"] >= 0.0
+        assert p["mode"] == "batched speculation" or p["drafted_per_token"] == 0.0
     assert "| batched k=0 | 4 |" in (tmp_path / "sweep.md").read_text()
     assert (tmp_path / "sweep.png").stat().st_size > 0

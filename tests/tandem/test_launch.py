@@ -81,6 +81,27 @@ def test_sigterm_while_tandem_up_starts_stops_every_service(tiny_draft: Path, ti
         assert not any(map(alive, kids)), "services outlived tandem up"
 
 
+def test_sigterm_to_a_bench_stops_the_stacks_it_started(tiny_draft: Path, tiny_target: Path,
+                                                       tmp_path: Path) -> None:
+    """A sweep killed with SIGTERM used to leave every stack it had started running."""
+    sweep = subprocess.Popen([sys.executable, "-m", "tandem.cli", "bench-load", "--sweep", "--draft",
+                              str(tiny_draft), "--target", str(tiny_target), "--draft-args", "",
+                              "--target-args", "", "--concurrency", "1", "--max-new-tokens", "400",
+                              "--min-requests", "50", "--out", str(tmp_path)],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             start_new_session=True)
+    assert sweep.stdout is not None
+    output = Output(sweep.stdout)
+    try:
+        kids = _wait_for_children(sweep.pid, 7)  # three stacks: 2 + 2 + 3 services
+        assert stop(sweep, timeout=60) == 130, output.text
+        assert not any(map(alive, kids)), "services outlived the bench"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(sweep.pid, signal.SIGKILL)
+        sweep.wait()
+
+
 def test_tandem_up_exits_nonzero_when_a_service_dies(tiny_draft: Path, tiny_target: Path,
                                                      tmp_path: Path) -> None:
     with _tandem_up(tiny_draft, tiny_target, tmp_path) as (up, output):
