@@ -60,9 +60,11 @@ def awaited(away_s: dict[int, float | None], queued: set[int], budget_s: float) 
     is not, nor one not seen back yet: when it is, its return is known, and a cohort it opened
     merges at the next pass. The wait lasts up to twice the longest return awaited.
     """
-    waiting = {sid for sid, away in away_s.items() if sid not in queued and away is not None and away <= budget_s}
-    longest = max((away for sid, away in away_s.items() if sid in waiting and away is not None), default=0.0)
-    return waiting, min(budget_s, 2 * longest + 0.002) if waiting else 0.0
+    waiting = {sid: away for sid, away in away_s.items()
+               if sid not in queued and away is not None and away <= budget_s}
+    if not waiting:
+        return set(), 0.0
+    return set(waiting), min(budget_s, 2 * max(waiting.values()) + 0.002)  # 2 ms: a wake-up's slack
 
 
 @dataclass(frozen=True, eq=False)
