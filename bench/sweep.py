@@ -161,7 +161,7 @@ def rotated(modes: Sequence[str], repeat: int) -> list[str]:
 def sweep(draft: str, target: str, *, draft_args: Sequence[str], target_args: Sequence[str],
           concurrency: Sequence[int], max_new_tokens: int, min_requests: int, threads: int,
           modes: Sequence[str], prompt_chars: int = 0, log_dir: Path | None = None,
-          repeats: int = 1) -> list[Point]:
+          repeats: int = 1, per_session_up_to: int = 0) -> list[Point]:
     texts = [p.text[-prompt_chars:] if prompt_chars else p.text
              for p in bench_prompts(num_code=max(*concurrency, min_requests), num_prose=0)]
     stacks: dict[str, Stack] = {}
@@ -180,9 +180,10 @@ def sweep(draft: str, target: str, *, draft_args: Sequence[str], target_args: Se
         points: list[Point] = []
         for clients in concurrency:
             prompts = texts[:max(clients, min_requests)]
-            runs: dict[str, list[Point]] = {mode: [] for mode in modes}
+            here = [m for m in modes if not (m == "per-session k=0" and 0 < per_session_up_to < clients)]
+            runs: dict[str, list[Point]] = {mode: [] for mode in here}
             for repeat in range(repeats):
-                for mode in rotated(modes, repeat):
+                for mode in rotated(here, repeat):
                     run = _measure(stacks[mode], mode, prompts, clients, max_new_tokens, MODES[mode][2])
                     runs[mode].append(run)
                     print(f"{mode:>30} x{clients:<3} run {repeat + 1}/{repeats}: "
@@ -190,7 +191,7 @@ def sweep(draft: str, target: str, *, draft_args: Sequence[str], target_args: Se
                           f"ITL p50 {run.itl_p50_ms:.0f} ms, {run.mean_batch_sessions:.1f} sessions/pass, "
                           f"{run.drafted_per_token:.2f} drafted per token",
                           flush=True)
-            points.extend(median_point(runs[mode]) for mode in modes)
+            points.extend(median_point(runs[mode]) for mode in here)
     finally:
         for stack in stacks.values():
             stack.stop()
@@ -263,6 +264,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="runs of every mode at each concurrency, interleaved; the median is kept")
     parser.add_argument("--prompt-chars", type=int, default=0,
                         help="keep only each prompt's last N characters (0: whole prompts)")
+    parser.add_argument("--per-session-up-to", type=int, default=0,
+                        help="run the per-session k=0 baseline only up to this many clients (0: at "
+                             "every concurrency); one session a pass, it takes most of a sweep's time")
     parser.add_argument("--out", default="", help="directory for the results")
     args = parser.parse_args(argv)
     out = Path(args.out or f"bench/results/sweep-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -271,7 +275,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                    concurrency=[int(c) for c in args.concurrency.split(",")],
                    max_new_tokens=args.max_new_tokens, min_requests=args.min_requests,
                    threads=args.threads, modes=args.modes.split(","), prompt_chars=args.prompt_chars,
-                   log_dir=out / "logs", repeats=args.repeats)
+                   log_dir=out / "logs", repeats=args.repeats, per_session_up_to=args.per_session_up_to)
     out.mkdir(parents=True, exist_ok=True)
     table = markdown(points)
     (out / "sweep.json").write_text(json.dumps({"args": vars(args), "points": [asdict(p) for p in points]},

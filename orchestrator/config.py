@@ -43,6 +43,9 @@ class OrchestratorConfig(ServerSecurityConfig):
                         "cost model alone")
     fleet_keep_s: float = option(60.0, "seconds a regime's measured cost per token stands before "
                                  "the fleet measures it again")
+    fleet_explore: float = option(0.03, "the most of the hardware time at a load that the fleet "
+                                  "spends measuring drafting there (a round of measuring waits "
+                                  "until this share covers it)")
     overlap: str = option("auto", "on: the draft drafts the next block while the target verifies "
                           "this one, guessing its outcomes (exact either way); off: draft and "
                           "target take turns; auto: on unless a draft replica shares a target "

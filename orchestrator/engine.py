@@ -107,9 +107,9 @@ class Engine:
         self.targets: ReplicaPool | None = None
         if config.overlap not in OVERLAP_SETTINGS:
             raise ValueError(f"--overlap must be one of {', '.join(OVERLAP_SETTINGS)}, got {config.overlap!r}")
-        if config.fleet not in ("on", "off") or config.fleet_keep_s <= 0:
-            raise ValueError(f"--fleet must be on or off and --fleet-keep-s > 0, got "
-                             f"{config.fleet!r} and {config.fleet_keep_s}")
+        if config.fleet not in ("on", "off") or config.fleet_keep_s <= 0 or not 0 <= config.fleet_explore <= 1:
+            raise ValueError(f"--fleet must be on or off, --fleet-keep-s > 0 and --fleet-explore in [0, 1], "
+                             f"got {config.fleet!r}, {config.fleet_keep_s} and {config.fleet_explore}")
         if config.speculation_policy not in POLICIES:
             raise ValueError(f"--speculation-policy must be one of {POLICIES}")
         if config.max_speculative_tokens > MAX_BLOCK_TOKENS:
@@ -132,7 +132,8 @@ class Engine:
         # Acceptance and draft cost differ per proposer; verify costs are the target's, shared.
         # overlap, auto: on until a draft replica turns out to share a target replica's hardware.
         self.deployment = Deployment(overlap=config.overlap != "off")
-        target_costs = CostModel(fleet=Fleet(self.deployment, config.fleet == "on", config.fleet_keep_s))
+        target_costs = CostModel(fleet=Fleet(self.deployment, config.fleet == "on", config.fleet_keep_s,
+                                                 config.fleet_explore))
         self.costs: dict[str, CostModel] = collections.defaultdict(target_costs.for_proposer)
         self.default_proposer = config.proposer or ("draft-model" if self.has_drafts else "none")
         self.admission = Admission(config.max_concurrent_requests, config.max_queued_requests)

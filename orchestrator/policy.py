@@ -117,11 +117,16 @@ class Fleet:
     a factor of two) and regime (k = 0, or drafting), the ms per committed token is a running
     average. Steps decode plain (k = 0) while that is the cheaper; a plain token not measured
     at this load is costed v(N) / N (N requests in one pass; v: the target's measured passes,
-    nearest smaller size). Drafting is measured at a load by `min_steps` steps (the rest
-    decode plain meanwhile), unless plain already won at a lighter load: more load only
-    favours it more (the target grows compute-bound), so it is not measured again there. A
-    regime's figure older than `keep_s` is measured again. With one request the per-step
-    policy alone decides. Output never changes. A change of regime at a load is logged.
+    nearest smaller size). With one request the per-step policy alone decides. Output never
+    changes. A change of regime at a load is logged.
+
+    Measuring drafting is exploration, paid for in hardware time: `min_steps` steps draft
+    while the rest decode plain, and the first of them catches the draft up on its whole
+    history. So measuring spends at most `explore` of the hardware time charged at that load:
+    a round of measuring starts only once that share covers it (what a measuring step costs is
+    learnt from the first ones, which are free). Drafting is not measured at a load where plain
+    already won at a lighter one (more load only favours it more). A drafting figure older than
+    `keep_s` is measured again when the share allows; until then it still decides.
 
     NOTE: a draft pass shared by several sessions is charged in full to each (the draft's
     reply does not say how many shared it), so drafting is overcharged where draft passes
@@ -131,6 +136,7 @@ class Fleet:
     deployment: Deployment = field(default_factory=Deployment)
     enabled: bool = True
     keep_s: float = 60.0
+    explore: float = 0.03  # the most of a load's hardware time spent measuring drafting there
     min_steps: int = 2  # drafting steps measured at a load before plain may win there
     clock: Callable[[], float] = time.monotonic
     # (load bucket, plain) -> (ms per committed token, steps measured, when last measured)
@@ -139,6 +145,9 @@ class Fleet:
     # them measure it; the rest decode plain meanwhile (32 requests starting at once would
     # otherwise all draft, each draft catching up on its prompt, before a figure is in).
     measuring: dict[int, tuple[int, float]] = field(default_factory=dict)  # bucket -> (steps, since)
+    # bucket -> [hardware ms charged there, of which measuring drafting]
+    spent_ms: dict[int, list[float]] = field(default_factory=dict)
+    measuring_step_ms: Ema = field(default_factory=lambda: Ema(weight=0.3))  # what one measuring step cost
     _logged: dict[int, bool] = field(default_factory=dict)  # the last decision logged, by load
 
     def charge(self, k: int, committed: int, draft_ms: float, target_ms: float) -> None:
@@ -146,31 +155,57 @@ class Fleet:
         target's pass and draft_ms at the draft."""
         if self.deployment.active < 2 or committed < 1:
             return
-        key = (load_bucket(self.deployment.active), k == 0)
+        bucket = load_bucket(self.deployment.active)
+        key = (bucket, k == 0)
         ema, steps, _ = self.cost_per_token.get(key) or (Ema(weight=0.2), 0, 0.0)
         spent = target_ms + (draft_ms if k and self.deployment.draft_shares_target else 0.0)
         ema.add(spent / committed)
         self.cost_per_token[key] = (ema, steps + 1, self.clock())
+        total = self.spent_ms.setdefault(bucket, [0.0, 0.0])
+        total[0] += spent
+        if k and steps < self.min_steps:  # a step measuring drafting here
+            total[1] += spent
+            self.measuring_step_ms.add(spent)
 
-    def _measured(self, bucket: int, plain: bool) -> tuple[float, int] | None:
+    def _measured(self, bucket: int, plain: bool) -> tuple[float, int, bool] | None:
+        """(ms per token, steps, fresh); a stale plain figure is dropped (v(N) / N stands in)."""
         known = self.cost_per_token.get((bucket, plain))
         if known is None or known[0].value is None:
             return None
-        if self.clock() - known[2] > self.keep_s:  # stale: measure it again, from scratch
+        fresh = self.clock() - known[2] <= self.keep_s
+        if plain and not fresh:
             del self.cost_per_token[(bucket, plain)]
-            if not plain:
-                self.measuring.pop(bucket, None)  # drafting is measured afresh
             return None
-        return known[0].value, known[1]
+        return known[0].value, known[1], fresh
 
     def _plain_below(self, bucket: int) -> bool:
         """Whether plain decoding measured cheaper, and recently, at a lighter load (2+)."""
         for lighter in (1 << i for i in range(1, bucket.bit_length() - 1)):  # 2, 4, ... < bucket
             drafting, plain = self._measured(lighter, plain=False), self._measured(lighter, plain=True)
-            if drafting is not None and plain is not None and drafting[1] >= self.min_steps \
-                    and plain[0] < drafting[0]:
+            if drafting is not None and plain is not None and drafting[2] \
+                    and drafting[1] >= self.min_steps and plain[0] < drafting[0]:
                 return True
         return False
+
+    def _affordable(self, bucket: int) -> bool:
+        """Whether `explore` of the hardware time charged at this load covers a round of measuring."""
+        step = self.measuring_step_ms.value
+        if step is None:
+            return True  # nothing measured anywhere yet: learn what measuring costs
+        total, measuring = self.spent_ms.get(bucket, (0.0, 0.0))
+        return measuring + self.min_steps * step <= self.explore * total
+
+    def _measure(self, bucket: int) -> bool:
+        """Whether this step takes a place measuring drafting at this load."""
+        granted, since = self.measuring.get(bucket, (0, self.clock()))
+        if self.clock() - since > self.keep_s:  # the last round is over, or never came in: again
+            granted, since = 0, self.clock()
+        if granted >= self.min_steps or (granted == 0 and not self._affordable(bucket)):
+            return False
+        if granted == 0:
+            self.cost_per_token.pop((bucket, False), None)  # a new round, from scratch
+        self.measuring[bucket] = (granted + 1, since)
+        return True
 
     def plain(self, verify: Callable[[int], float | None], decode: bool = True) -> bool:
         """Whether steps now decode without drafting; `verify`: v(T), the target's pass of T
@@ -190,20 +225,20 @@ class Fleet:
             return False, "the per-step policy", ()
         bucket = load_bucket(n)
         drafting = self._measured(bucket, plain=False)
-        if (drafting is None or drafting[1] < self.min_steps) and self._plain_below(bucket):
+        known = drafting is not None and drafting[1] >= self.min_steps
+        if not known and self._plain_below(bucket):
             return True, "plain won at a lighter load", ()  # more load only favours it more
-        if drafting is None or drafting[1] < self.min_steps:
-            # Draft, and measure what it costs at this load: min_steps steps, then plain
-            # until they are in.
-            if not decode:
+        if drafting is None or not known or not drafting[2]:
+            # Draft, and measure what it costs at this load (min_steps steps), if its share of
+            # the hardware allows; until then a stale figure still decides, and no figure: plain.
+            if decode and self._measure(bucket):
+                return False, "measuring what drafting costs", ()
+            if not decode and not known:
                 return False, "a prefill, drafting not measured yet", ()
-            granted, since = self.measuring.get(bucket, (0, self.clock()))
-            if self.clock() - since > self.keep_s:  # they never came in (cancelled, k = 0): again
-                granted, since = 0, self.clock()
-            if granted >= self.min_steps:
-                return True, "while drafting is measured", ()
-            self.measuring[bucket] = (granted + 1, since)
-            return False, "measuring what drafting costs", ()
+            if drafting is None or not known:
+                if self.measuring.get(bucket, (0, 0.0))[0]:
+                    return True, "while drafting is measured", ()
+                return True, "measuring drafting here waits for its share of the hardware", ()
         plain = self._measured(bucket, plain=True)
         if plain is None:
             one_pass = verify(n)
@@ -250,7 +285,7 @@ class CostModel:
         return CostModel(verify_ms=self.verify_ms, overhead_ms=self.overhead_ms,
                          batch_sessions=self.batch_sessions, queue_depth=self.queue_depth,
                          fleet=Fleet(self.fleet.deployment, self.fleet.enabled, self.fleet.keep_s,
-                                     self.fleet.min_steps, self.fleet.clock))
+                                     self.fleet.explore, self.fleet.min_steps, self.fleet.clock))
 
     def observe(self, k: int, accepted: int, draft_ms: float, verify_ms: float, step_ms: float,
                 verify_tokens: int, load: PassLoad | None = None) -> None:

@@ -44,20 +44,21 @@ def test_ratios_pair_runs_made_side_by_side() -> None:
 def test_the_sweep_measures_every_mode_at_every_concurrency(tiny_draft: Path, tiny_target: Path,
                                                           tmp_path: Path) -> None:
     main(["--draft", str(tiny_draft), "--target", str(tiny_target), "--draft-args", "",
-          "--target-args", "", "--concurrency", "1,4", "--max-new-tokens", "6",
-          "--prompt-chars", "40", "--repeats", "2", "--out", str(tmp_path)])
+          "--target-args", "", "--concurrency", "1,2,4", "--max-new-tokens", "6",
+          "--prompt-chars", "40", "--repeats", "2", "--per-session-up-to", "2", "--out", str(tmp_path)])
     points = json.loads((tmp_path / "sweep.json").read_text())["points"]
-    assert [(p["mode"], p["clients"]) for p in points] == [
-        (mode, clients) for mode in ("per-session k=0", "batched k=0", "batched speculation")
-        for clients in (1, 4)]
+    assert [(p["mode"], p["clients"]) for p in points] == [  # the per-session baseline up to 2 clients
+        ("per-session k=0", 1), ("per-session k=0", 2),
+        *((mode, clients) for mode in ("batched k=0", "batched speculation") for clients in (1, 2, 4))]
     for p in points:
         assert p["tokens"] == 6 * p["requests"] and p["tokens_per_s"] > 0
         assert len(p["runs_tokens_per_s"]) == 2
     by = {(p["mode"], p["clients"]): p for p in points}
-    assert by[("per-session k=0", 4)]["mean_batch_sessions"] == 1.0  # the unbatched baseline
+    assert by[("per-session k=0", 2)]["mean_batch_sessions"] == 1.0  # the unbatched baseline
     assert by[("batched k=0", 4)]["mean_batch_sessions"] > 1.0
     for p in points:  # what the policy drafted: nothing at k=0
         assert p["drafted_per_token"] >= p["accepted_per_token"] >= 0.0
         assert p["mode"] == "batched speculation" or p["drafted_per_token"] == 0.0
-    assert "| batched k=0 | 4 |" in (tmp_path / "sweep.md").read_text()
+    table = (tmp_path / "sweep.md").read_text()
+    assert "| batched k=0 | 4 |" in table and "| batched k=0 | 4 | " + f"{by[('batched k=0', 4)]['tokens_per_s']:.2f} | - |" in table
     assert (tmp_path / "sweep.png").stat().st_size > 0

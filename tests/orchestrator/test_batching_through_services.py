@@ -90,10 +90,10 @@ def test_sampled_law_holds_while_sessions_share_the_batch(tiny_dir: Path) -> Non
 def test_the_fleet_switching_regimes_under_load_changes_no_token(tiny_draft: Path, tiny_target: Path) -> None:
     """The fleet: while requests run together, the orchestrator charges each committed token
     its hardware time with and without drafting and decodes plain while that is cheaper,
-    measuring drafting again every 0.5 s here; every request's greedy output stays the
+    measuring drafting again every 0.5 s here, whatever that costs (--fleet-explore 1); every request's greedy output stays the
     target's own (the choice itself: tests/orchestrator/test_policy.py)."""
     stack = start_stack(str(tiny_draft), str(tiny_target), draft_args=METRICS, target_args=METRICS,
-                        orchestrator_args=["--fleet-keep-s", "0.5"])
+                        orchestrator_args=["--fleet-keep-s", "0.5", "--fleet-explore", "1"])
     try:
         prompts = [random_prompts(30, 1, 5 + i, seed=100 + i)[0] for i in range(6)]
 

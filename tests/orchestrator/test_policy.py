@@ -292,7 +292,8 @@ def test_where_plain_won_at_a_lighter_load_a_heavier_one_is_not_measured_again()
     assert costs.fleet.plain(costs.verify) is True
     costs.fleet.deployment.active = 16  # no measurement at 16: plain, from 2's
     assert costs.fleet.plain(costs.verify) is True and 16 not in costs.fleet.measuring
-    clock.now += 61.0  # 2's figures are stale: 16 measures drafting itself
+    clock.now += 61.0  # 2's figures are stale: 16 measures drafting itself, once its share allows
+    plain_steps(costs, 1000, sessions_per_pass=16)  # 56 ms each at 16: 3% covers a round (2 x 690 ms)
     assert costs.fleet.plain(costs.verify) is False
 
 
@@ -302,8 +303,45 @@ def test_where_drafting_won_at_a_lighter_load_a_heavier_one_measures_it_again() 
     plain_steps(costs, 2, sessions_per_pass=1)  # 150
     assert costs.fleet.plain(costs.verify) is False
     costs.fleet.deployment.active = 8
+    assert costs.fleet.plain(costs.verify) is True  # 8 has spent nothing yet to measure with
+    plain_steps(costs, 1000, sessions_per_pass=8)  # 62.5 ms each: 3% covers a round (2 x 690 ms)
     assert costs.fleet.plain(costs.verify) is False and costs.fleet.measuring[8][0] == 1
 
+
+def test_measuring_drafting_spends_at_most_its_share_of_the_hardware_at_a_load() -> None:
+    """Found in the load sweep at 4 clients on shared cores: every repeat re-measured drafting
+    (its figure was stale after 60 s), and each measuring step caught the draft up on the whole
+    history on the target's cores: 0.90x batched k=0. A round of measuring (2 steps) now waits
+    until --fleet-explore (3%) of the hardware time charged at that load covers it."""
+    clock = Clock()
+    costs = fleet_costs(4, shared=True, clock=clock)
+    fleet = costs.fleet
+    assert [fleet.plain(costs.verify) for _ in range(3)] == [False, False, True]  # the first round is free
+    draft_steps(costs, 2, sessions_per_pass=1)  # 690 ms a step: what a measuring step costs
+    assert fleet.measuring_step_ms.value == pytest.approx(690.0)
+    drafted = 2
+    for _ in range(40):  # 40 minutes: stale drafting figures every minute
+        clock.now += 61.0
+        for _ in range(100):  # 100 steps a minute, each 300 ms / 4 of a plain pass of 4
+            if fleet.plain(costs.verify):
+                plain_steps(costs, 1, sessions_per_pass=4)
+            else:
+                draft_steps(costs, 1, sessions_per_pass=1)
+                drafted += 1
+    total, measuring = fleet.spent_ms[4]
+    assert 2 < drafted and measuring == pytest.approx(690.0 * drafted)  # it measured again ...
+    assert measuring <= fleet.explore * total + 2 * 690.0  # ... within its share, the free round aside
+    assert fleet.plain(costs.verify) is True  # and the stale figure decided meanwhile: plain
+
+
+def test_a_load_with_no_measured_drafting_and_no_share_yet_decodes_plain() -> None:
+    costs = fleet_costs(2, shared=True, clock=Clock())
+    draft_steps(costs, 2, sessions_per_pass=1)  # measured at 2: a measuring step's cost is known
+    costs.fleet.deployment.active = 4
+    assert costs.fleet.plain(costs.verify) is True and 4 not in costs.fleet.measuring
+    costs.fleet.explore = 1.0  # all the hardware may go to measuring: 4 measures at once
+    plain_steps(costs, 20, sessions_per_pass=4)  # 75 ms each: 1500 ms covers 2 x 690
+    assert costs.fleet.plain(costs.verify) is False
 
 def test_an_unmeasured_plain_load_is_costed_from_the_targets_passes() -> None:
     clock = Clock()
@@ -333,10 +371,11 @@ def test_a_measured_cost_goes_stale_and_drafting_is_measured_again() -> None:
     clock.now += 30.0
     plain_steps(costs, 4, sessions_per_pass=4)  # plain stays fresh; drafting's figure ages
     assert costs.fleet.plain(costs.verify) is True
-    clock.now += 31.0
-    assert costs.fleet.plain(costs.verify) is False  # 61 s old: draft again, measure again
+    clock.now += 31.0  # 61 s old: it still decides until measuring it again is affordable
+    assert costs.fleet.plain(costs.verify) is True and (4, False) in costs.fleet.cost_per_token
+    plain_steps(costs, 1200, sessions_per_pass=4)  # 75 ms each: 3% covers the first round and one more
+    assert costs.fleet.plain(costs.verify) is False  # draft again, measure again, from scratch
     assert (4, False) not in costs.fleet.cost_per_token
-
 
 def test_every_proposer_has_its_own_costs_over_one_deployment() -> None:
     costs = fleet_costs(2, shared=True, clock=Clock())
