@@ -9,7 +9,9 @@ The same greedy requests (HumanEval prompts, EOS ignored, a fixed number of toke
 - batched speculation: the draft model under the adaptive policy, both services batching.
 - batched speculation per-step (only when named in --modes): the same with the per-step
   cost model alone (--fleet off);
-- batched speculation no-overlap (likewise): the same, taking turns (--overlap off).
+- batched speculation no-overlap (likewise): the same, taking turns (--overlap off);
+- batched k=0 twin (likewise): a second batched k=0 stack, whose ratio to the first is the
+  noise floor between two stacks doing the same work.
 
 Every mode's stack is started first and held for the whole sweep. The modes then take turns
 point by point: at each concurrency, each mode runs once per repeat, in an order that rotates
@@ -54,6 +56,9 @@ MODES = {  # name: (services' flags, draft model used, k per request: None = the
     "batched speculation per-step": ([], True, None, ["--fleet", "off"]),
     # The same without drafting ahead: on shared cores the guesses take the target's cycles.
     "batched speculation no-overlap": ([], True, None, ["--overlap", "off"]),
+    # A second batched k=0 stack (an A/A control): its ratio to batched k=0 is the noise floor
+    # between two stacks running the same computation, against which any other ratio is read.
+    "batched k=0 twin": ([], False, 0, []),
 }
 DEFAULT_MODES = ("per-session k=0", "batched k=0", "batched speculation")
 

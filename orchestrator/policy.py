@@ -6,7 +6,9 @@ et al. 2023),
 
     E(k) = (1 - alpha^(k+1)) / (1 - alpha)
 
-tokens and costs k * t_draft + t_verify(k + 1) + t_overhead. The adaptive policy picks
+tokens and costs k * t_draft + t_verify(k + 1) + t_overhead, plus, where the draft sat
+out earlier steps, its catch-up on the history it missed (lag tokens at t_fed each), once,
+so spread over the drafting steps left: remaining / E(k) of them. The adaptive policy picks
 the k in [0, k_max] that maximises E(k) / cost(k), with alpha from the request's own
 acceptance so far (shrunk towards the deployment's running average) and the costs
 measured on this deployment's replicas.
@@ -254,6 +256,9 @@ class CostModel:
     """Running costs of this deployment, shared by all requests of one orchestrator."""
 
     draft_ms_per_token: Ema = field(default_factory=Ema)
+    # What the draft spends per history token it takes in beyond the one of a step in step:
+    # its catch-up after steps it sat out (plain steps, or a prefill it was not part of).
+    draft_ms_per_fed_token: Ema = field(default_factory=Ema)
     verify_ms: dict[int, Ema] = field(default_factory=dict)  # v(T): a target pass by its tokens T
     overhead_ms: Ema = field(default_factory=Ema)  # per step, outside both forwards
     alpha: Acceptance = field(default_factory=Acceptance)
@@ -288,12 +293,17 @@ class CostModel:
                                      self.fleet.explore, self.fleet.min_steps, self.fleet.clock))
 
     def observe(self, k: int, accepted: int, draft_ms: float, verify_ms: float, step_ms: float,
-                verify_tokens: int, load: PassLoad | None = None) -> None:
+                verify_tokens: int, load: PassLoad | None = None, fed: int = 1) -> None:
         """A decode step: its k and acceptance, stage times, the tokens it sent the target,
         and the target's pass that served it (None: a replica that does not report it, taken
-        as a pass of this step alone, as long as compute_ms)."""
+        as a pass of this step alone, as long as compute_ms); `fed`: the history tokens the
+        draft took in with its block (1 in step; more: a catch-up)."""
         if k > 0:
-            self.draft_ms_per_token.add(draft_ms / k)
+            t_draft = self.draft_ms_per_token.value
+            if fed <= 2:  # in step (2: the draft sat out one step; too little to tell apart)
+                self.draft_ms_per_token.add(draft_ms / k)
+            elif t_draft is not None:  # a catch-up: what the block cost beyond its k tokens
+                self.draft_ms_per_fed_token.add(max(0.0, draft_ms - k * t_draft) / (fed - 1))
             self.alpha.add(accepted, tested_tokens(k, accepted))
         sessions, tokens, pass_ms, queued = (load.sessions, load.tokens, load.pass_ms, load.queue_depth) \
             if load is not None else (1, verify_tokens, verify_ms, 0)
@@ -324,13 +334,13 @@ class Speculation:
         prior = self.costs.alpha.value if self.costs.alpha.value is not None else 0.7
         return (self.accepted + prior * self.prior_weight) / (self.tested + self.prior_weight)
 
-    def choose(self, remaining: int, prefill: bool = False) -> int:
+    def choose(self, remaining: int, prefill: bool = False, lag: int = 1) -> int:
         """k for the next step (a prefill: the k the draft prefills for); never drafts past
-        what can still be committed."""
+        what can still be committed. `lag`: the history tokens the draft would take in first."""
         cap = max(0, min(self.max_k, remaining - 1))
         if self.policy == "fixed" or cap == 0:
             return cap
-        k = self._per_step(cap)
+        k = self._per_step(cap, 0 if prefill else lag, remaining)
         # Only a step that would draft asks the fleet: one that would not must not take a
         # place measuring drafting at this load (it would report plain, and the places stay
         # taken until keep_s passes, every other step held plain meanwhile).
@@ -338,8 +348,9 @@ class Speculation:
             return 0
         return k
 
-    def _per_step(self, cap: int) -> int:
-        """The k that maximises tokens per unit of this step's time (at most `cap`)."""
+    def _per_step(self, cap: int, lag: int = 1, remaining: int = 1) -> int:
+        """The k that maximises tokens per unit of time (at most `cap`): this step's, and for a
+        draft that lags, its catch-up spread over the drafting steps left."""
         t_draft = self.costs.draft_ms_per_token.value
         if t_draft is None:
             return cap  # nothing measured yet: speculate, and learn
@@ -348,20 +359,31 @@ class Speculation:
         if t_one is None:
             return 0  # only bigger passes were measured: learn what a plain step costs, once
         alpha, overhead = self.alpha(), self.costs.overhead_ms.value or 0.0
-        best_k, best_rate = 0, 0.0
-        for k in range(cap + 1):
-            cost = k * t_draft + passes * (self.costs.verify(sessions * (k + 1)) or t_one) + overhead
-            rate = expected_tokens(alpha, k) / cost
-            if rate > best_rate:
-                best_k, best_rate = k, rate
-        if best_k == 0 and self.idle_steps >= self.probe_every:
-            return 1  # speculation looked unprofitable for a while: check whether it still is
+
+        def best(catch_up_ms: float) -> int:
+            best_k, best_rate = 0, 0.0
+            for k in range(cap + 1):
+                cost = k * t_draft + passes * (self.costs.verify(sessions * (k + 1)) or t_one) + overhead
+                if k:  # the catch-up, once: a share of it for each of the remaining / E(k) steps
+                    cost += catch_up_ms * expected_tokens(alpha, k) / remaining
+                rate = expected_tokens(alpha, k) / cost
+                if rate > best_rate:
+                    best_k, best_rate = k, rate
+            return best_k
+
+        catch_up = max(0, lag - 1) * (self.costs.draft_ms_per_fed_token.value or 0.0)
+        best_k = best(catch_up)
+        # Speculation looked unprofitable for a while: check whether it still is, unless only
+        # the catch-up stands in its way (too few tokens left to earn it back: nothing to learn).
+        if best_k == 0 and self.idle_steps >= self.probe_every and (not catch_up or best(0.0) == 0):
+            return 1
         return best_k
 
     def observe(self, k: int, accepted: int, draft_ms: float, verify_ms: float, step_ms: float,
-                verify_tokens: int, load: PassLoad | None = None) -> None:
-        """Record a decode step (not a prefill) of k drafted tokens, verify_tokens scored in one pass."""
+                verify_tokens: int, load: PassLoad | None = None, fed: int = 1) -> None:
+        """Record a decode step (not a prefill) of k drafted tokens, verify_tokens scored in one
+        pass, the draft having taken in `fed` history tokens first."""
         self.tested += tested_tokens(k, accepted)
         self.accepted += accepted
         self.idle_steps = 0 if k else self.idle_steps + 1
-        self.costs.observe(k, accepted, draft_ms, verify_ms, step_ms, verify_tokens, load)
+        self.costs.observe(k, accepted, draft_ms, verify_ms, step_ms, verify_tokens, load, fed)

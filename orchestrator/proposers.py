@@ -45,6 +45,10 @@ class Proposer(Protocol):
     def update_candidate_strategy(self, block: DraftBlock, accepted: int, history_length: int) -> None:
         """`accepted` of `block` were kept after `history_length` history tokens."""
 
+    def lag(self, history_length: int) -> int:
+        """History tokens the proposer must take in with its next block (a draft model's cache
+        catching up); 1 in step, more after steps it sat out."""
+
     async def close(self) -> None:
         """Release what the proposer holds (a remote session)."""
 
@@ -86,6 +90,9 @@ class DraftModelProposer:
         # Of what the draft's cache now holds, only the prefix that became history stays valid.
         if block is not EMPTY_BLOCK:
             self.session.advance(block.cache_length, history_length + accepted)
+
+    def lag(self, history_length: int) -> int:
+        return history_length - self.session.synced
 
     async def close(self) -> None:
         await self.session.close()
@@ -132,6 +139,9 @@ class PromptLookupProposer:
 
     def update_candidate_strategy(self, block: DraftBlock, accepted: int, history_length: int) -> None:
         pass
+
+    def lag(self, history_length: int) -> int:
+        return 1  # it reads the history the orchestrator holds: always in step
 
     async def close(self) -> None:
         pass

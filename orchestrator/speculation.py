@@ -55,7 +55,8 @@ async def speculate(gen: Generation, proposer: Proposer | None, target: TargetSe
         target_seed = int(torch.randint(0, 2**62, (1,), generator=rng))
         started = time.perf_counter()
         prefill, target_synced = target.synced == 0, target.synced
-        k = policy.choose(remaining, prefill)
+        lag = proposer.lag(len(history)) if proposer is not None else 0
+        k = policy.choose(remaining, prefill, lag)
         wait_ms = 0.0
         # The draft keys its draws by (request seed, position), so a block drafted ahead is
         # the block drafted now; with overlap it drafts the next k while the target verifies.
@@ -94,7 +95,8 @@ async def speculate(gen: Generation, proposer: Proposer | None, target: TargetSe
         # cost would be filed under its 1-2 new tokens, where the draft policy reads.
         if not prefill and not isinstance(result, TreeCommit):
             policy.observe(len(block.token_ids), accepted, block.compute_ms, result.compute_ms,
-                           step_ms, len(history) - target_synced + len(block.token_ids), result.load)
+                           step_ms, len(history) - target_synced + len(block.token_ids), result.load,
+                           fed=lag)
 
         eos_at = next((i for i, t in enumerate(new) if t in gen.eos_token_ids), None)
         new = new[: remaining if eos_at is None else min(eos_at + 1, remaining)]

@@ -73,6 +73,41 @@ def test_adaptive_probes_after_idle_steps() -> None:
     assert policy.choose(remaining=100) == 1
 
 
+def test_a_lagging_draft_drafts_only_where_enough_tokens_remain_to_earn_its_catch_up() -> None:
+    """Found in the load sweep on shared cores: the last request of a wave, left alone after
+    steps decoded plain, drafted again (one request: the per-step policy decides), and its
+    first block first caught the draft up on the whole history for a handful of tokens."""
+    costs = measured(draft_ms=40, verify={1: 200, 5: 210}, alpha=0.8)
+    costs.draft_ms_per_fed_token.value = 10.0  # a 100-token catch-up: 990 ms
+    policy = Speculation("adaptive", 4, costs)
+    assert policy.choose(remaining=5, lag=1) > 0  # in step: a block is nearly free
+    assert policy.choose(remaining=5, lag=100) == 0  # 990 ms for at most 4 more tokens
+    assert policy.choose(remaining=500, lag=100) > 0  # spread over ~150 steps it pays
+    assert policy.choose(remaining=5, lag=100, prefill=True) > 0  # a prefill lags nothing yet
+
+
+def test_no_probe_where_only_the_catch_up_stands_in_the_way() -> None:
+    costs = measured(draft_ms=40, verify={1: 200, 5: 210}, alpha=0.8)
+    costs.draft_ms_per_fed_token.value = 10.0
+    policy = Speculation("adaptive", 4, costs)
+    policy.idle_steps = policy.probe_every
+    assert policy.choose(remaining=5, lag=100) == 0  # too few tokens left to earn it back
+    costs.draft_ms_per_token.value = 400.0  # drafting does not pay even in step: probe it
+    assert policy.choose(remaining=5, lag=100) == 1
+
+
+def test_a_catch_up_is_costed_per_fed_token_apart_from_the_drafts_per_token_cost() -> None:
+    costs = CostModel()
+    costs.observe(4, 2, 4 * 40 + 99 * 10.0, 300.0, 1500.0, 5, fed=100)
+    assert costs.draft_ms_per_token.value is None  # no per-token cost to tell the catch-up from
+    assert costs.draft_ms_per_fed_token.value is None
+    costs.observe(4, 2, 160.0, 300.0, 500.0, 5, fed=1)
+    assert costs.draft_ms_per_token.value == pytest.approx(40.0)
+    costs.observe(4, 2, 4 * 40 + 99 * 10.0, 300.0, 1500.0, 5, fed=100)
+    assert costs.draft_ms_per_token.value == pytest.approx(40.0)  # untouched by the catch-up
+    assert costs.draft_ms_per_fed_token.value == pytest.approx(10.0)
+
+
 def test_adaptive_measures_a_plain_step_when_only_blocks_were_measured() -> None:
     # Found by the benchmark: a deployment whose requests always drafted never learned what a
     # one-token pass costs, and kept drafting k_max blocks that cost 4x a plain step.

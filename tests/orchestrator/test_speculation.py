@@ -34,6 +34,9 @@ class SlowDraft:
     def update_candidate_strategy(self, *args: Any) -> None:
         pass
 
+    def lag(self, history_length: int) -> int:
+        return history_length
+
 
 class FailingTarget:
     synced = 0
