@@ -132,8 +132,8 @@ class Engine:
         # Acceptance and draft cost differ per proposer; verify costs are the target's, shared.
         # overlap, auto: on until a draft replica turns out to share a target replica's hardware.
         self.deployment = Deployment(overlap=config.overlap != "off")
-        target_costs = CostModel(fleet=Fleet(self.deployment, config.fleet == "on", config.fleet_keep_s,
-                                                 config.fleet_explore))
+        target_costs = CostModel(fleet=Fleet(self.deployment, enabled=config.fleet == "on",
+                                             keep_s=config.fleet_keep_s, explore=config.fleet_explore))
         self.costs: dict[str, CostModel] = collections.defaultdict(target_costs.for_proposer)
         self.default_proposer = config.proposer or ("draft-model" if self.has_drafts else "none")
         self.admission = Admission(config.max_concurrent_requests, config.max_queued_requests)

@@ -289,8 +289,9 @@ class CostModel:
         deployment's target, so the same verify, load and overhead measurements."""
         return CostModel(verify_ms=self.verify_ms, overhead_ms=self.overhead_ms,
                          batch_sessions=self.batch_sessions, queue_depth=self.queue_depth,
-                         fleet=Fleet(self.fleet.deployment, self.fleet.enabled, self.fleet.keep_s,
-                                     self.fleet.explore, self.fleet.min_steps, self.fleet.clock))
+                         fleet=Fleet(self.fleet.deployment, enabled=self.fleet.enabled,
+                                     keep_s=self.fleet.keep_s, explore=self.fleet.explore,
+                                     min_steps=self.fleet.min_steps, clock=self.fleet.clock))
 
     def observe(self, k: int, accepted: int, draft_ms: float, verify_ms: float, step_ms: float,
                 verify_tokens: int, load: PassLoad | None = None, fed: int = 1) -> None:
