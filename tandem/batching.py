@@ -446,6 +446,8 @@ class StepScheduler:
                 self._ended = {sid: ended if sid in ids else self._ended[sid] for sid in self._recent}
                 self._last, self._pass_ended = ids, ended
             self.batch_wait_s = min(self.max_batch_wait_s, self.batch_wait_share * stats.ms / 1000.0)
+            log.debug("pass: %d sessions, %d tokens, %.0f ms, queued %d after", stats.sessions,
+                      stats.tokens, stats.ms, len(self._queue))
             try:
                 self.on_batch(stats)
             except Exception:

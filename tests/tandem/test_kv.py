@@ -53,6 +53,25 @@ def test_a_segment_after_a_long_history_projects_only_the_rows_it_returns(model)
     assert rows == [3]
 
 
+def test_the_head_projects_a_contiguous_block_of_rows(model) -> None:  # type: ignore[no-untyped-def]
+    """A pass over n tokens keeping fewer rows (a prefill, a catch-up, a segment after history)
+    hands the vocabulary projection a copy of those rows, not a strided view of the hidden
+    states (is_contiguous() passes such a view when one row is kept): on a CPU, torch ran the
+    projection of Qwen2.5-1.5B in bf16 on such a view as a batched matmul that first copies
+    the whole [vocab, hidden] weight, 1 s a pass, 3x the prefill itself."""
+    seen: list[bool] = []
+    hook = model.get_output_embeddings().register_forward_hook(
+        lambda _module, args, _out: seen.append(args[0].stride() == torch.empty(args[0].shape).stride()))
+    try:
+        session = KVSession("s", vocab_size=40)
+        session.forward(model, list(range(3, 20)), logits_to_keep=1)
+        session.forward(model, list(range(3, 9)), logits_to_keep=2)
+        session.forward_segment(model, [9, 10, 11], tree_segment((5, 6), (-1, 0)))
+    finally:
+        hook.remove()
+    assert seen == [True, True, True]
+
+
 def test_rollback_beyond_the_cache_is_refused(model) -> None:  # type: ignore[no-untyped-def]
     from tandem.errors import CacheMismatch
 
