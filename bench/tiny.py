@@ -19,6 +19,8 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from tandem import matmul
+
 EOS = "<eos>"
 PROMPTS = ["def fib(n):", "hello world", "x = (a, b)\n", "a"]
 DEFAULT_CHARS = "abcdefghijklmnopqrstuvwxyz .,:()=\n"
@@ -69,9 +71,11 @@ def make_draft_like(target: Path, path: Path, *, noise: float, seed: int) -> Pat
 
 
 def greedy_reference(path: Path | str, prompt_ids: list[int], max_new_tokens: int,
-                     eos_token_id: int | None = None) -> list[int]:
-    """The target's own greedy generate(): the ground truth for exactness tests."""
+                     eos_token_id: int | None = None, matmul_path: str = matmul.DEFAULT
+                     ) -> list[int]:
+    """The target's own greedy generate() on a matmul path: the ground truth for exactness tests."""
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()  # type: ignore[no-untyped-call]
+    matmul.apply(model, matmul_path, matmul.TIMED_ROWS)
     # generate() falls back to the model's own EOS for an unset one: clear it to ignore EOS.
     model.generation_config.eos_token_id = eos_token_id
     model.config.eos_token_id = eos_token_id

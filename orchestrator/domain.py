@@ -77,6 +77,8 @@ class ModelInfo:
     boot_id: str = ""  # its machine's boot id ("": unknown)
     cpu_ids: frozenset[int] = frozenset()  # the CPUs its threads may run on
     accelerator_ids: frozenset[str] = frozenset()  # UUIDs of the GPUs its weights are on
+    matmul_path: str = ""  # how its linear layers multiply ("default", "onednn", ...)
+    pass_ms: tuple[tuple[int, float], ...] = ()  # (tokens, ms): passes it timed at start-up
 
 
 def shares_compute(a: ModelInfo, b: ModelInfo) -> bool:

@@ -198,6 +198,7 @@ class Engine:
             if problem:
                 raise SystemExit(problem)
         self.target_info = reference
+        self.costs["draft-model"].seed_verify(reference.pass_ms)  # v(T) is shared by proposers
         for address, draft in zip(_addresses(self.config.draft), drafts, strict=True):
             self._check_placement(draft, targets, address)
         return target_addresses[0]

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from orchestrator.domain import PassLoad
@@ -275,6 +275,11 @@ class CostModel:
             return known.value
         smaller = [t for t, ema in self.verify_ms.items() if t < tokens and ema.value is not None]
         return self.verify_ms[max(smaller)].value if smaller else None
+
+    def seed_verify(self, pass_ms: Sequence[tuple[int, float]]) -> None:
+        """Start v(T) from passes a replica timed at start-up; live passes then move it."""
+        for tokens, ms in pass_ms:
+            self.verify_ms.setdefault(tokens, Ema(value=ms))
 
     def sessions_per_pass(self) -> int:
         return max(1, round(self.batch_sessions.value or 1.0))

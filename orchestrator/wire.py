@@ -76,7 +76,9 @@ def model_info_from_proto(proto: common_pb2.ModelInfo) -> ModelInfo:
                      eos_token_ids=tuple(proto.eos_token_ids),
                      proposers=frozenset(proposer_from_proto(p) for p in proto.proposers),
                      device=proto.device, boot_id=proto.boot_id, cpu_ids=frozenset(proto.cpu_ids),
-                     accelerator_ids=frozenset(proto.accelerator_ids))
+                     accelerator_ids=frozenset(proto.accelerator_ids),
+                     matmul_path=proto.matmul_path,
+                     pass_ms=tuple((p.token_count, p.pass_ms) for p in proto.pass_times))
 
 
 def score_request_to_proto(session_id: str, cache_position: int, new_token_ids: list[int],

@@ -48,6 +48,7 @@ def apply_process_defaults(environ: MutableMapping[str, str]) -> None:
 
 
 def _serve_model(args: argparse.Namespace, label: str) -> None:
+    from tandem import matmul
     from tandem.model_service import ModelHost, ModelServiceConfig
     from tandem.server import configure_logging, serve
 
@@ -57,6 +58,11 @@ def _serve_model(args: argparse.Namespace, label: str) -> None:
     if cfg.dtype != models.AUTO_DTYPE and cfg.dtype not in models.DTYPES:
         sys.exit(f"{label}: --dtype must be one of {', '.join(models.DTYPES)} or auto, got {cfg.dtype!r}")
     _check_model(label, "--model", cfg.model)
+    if cfg.matmul not in matmul.CHOICES:
+        sys.exit(f"{label}: --matmul must be one of {', '.join(matmul.CHOICES)}, got {cfg.matmul!r}")
+    if cfg.matmul == matmul.ONEDNN and (cfg.device != "cpu" or cfg.tensor_parallel_size > 1):
+        sys.exit(f"{label}: --matmul onednn runs a whole model on --device cpu (not sharded, "
+                 "not on a GPU or a device map)")
     if cfg.quantize and label == "target-service":
         sys.exit("target-service: --quantize is for drafts only; Tandem never changes the target's "
                  "output. Choose the target's precision with --dtype.")
@@ -227,7 +233,7 @@ def _up(args: argparse.Namespace) -> None:
         print(f"  {role} ready ({time.monotonic() - started:.0f}s)", flush=True)
 
     unwind_on_sigterm()
-    device = ["--device", args.device]
+    device = ["--device", args.device, "--matmul", args.matmul]
     try:
         stack = start_stack(args.draft, args.target, draft_dtype=draft_dtype,
                             target_dtype=target_dtype, threads=0, port=args.port, host=args.host,
@@ -377,6 +383,11 @@ def _add_up_arguments(up: argparse.ArgumentParser) -> None:
     up.add_argument("--draft-dtype", default="", help="the draft's dtype, if not --dtype")
     up.add_argument("--target-dtype", default="", help="the target's dtype, if not --dtype")
     up.add_argument("--draft-quantize", default="", help="int8-dynamic: a cheaper CPU draft")
+    up.add_argument("--matmul", default=os.environ.get("TANDEM_MATMUL", "auto"),
+                    help="how both models' linear layers multiply on a CPU: auto (each service "
+                         "times each path at start-up and keeps the faster), default (torch's "
+                         "own kernels) or onednn (prepacked weights) [env TANDEM_MATMUL; "
+                         "default auto]")
     up.add_argument("--host", default="127.0.0.1",
                     help="address the orchestrator binds (the draft and target stay on 127.0.0.1)")
     up.add_argument("--port", type=int, default=os.environ.get("TANDEM_PORT", "50051"),

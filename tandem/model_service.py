@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from tandem import batching, models, parallel
+from tandem import batching, matmul, models, parallel
 from tandem.config import option
 from tandem.errors import BudgetHeld, InvalidRequest, Unavailable
 from tandem.kv import KVSession, SessionTable
@@ -67,6 +67,9 @@ class ModelServiceConfig(ServerSecurityConfig):
     max_memory: str = option("", "accelerate max_memory for device maps, e.g. 0=70GiB,1=70GiB")
     quantize: str = option("", "draft only: int8-dynamic quantizes the Linear layers (CPU, float32); "
                            "changes acceptance, never the output")
+    matmul: str = option("auto", "how the linear layers multiply on a CPU: auto (time each "
+                         "weight shape on each path at start-up, keep the faster), default "
+                         "(torch's own kernels), or onednn (weights prepacked for oneDNN)")
     threads: int = option(0, "torch intra-op threads (0: torch's default; per rank)")
     cpu_affinity: str = option("", "pin the service to these CPUs, e.g. 0, 2-3 or 0,2-3 (empty: "
                                "not pinned); with --threads, lets one machine emulate separate "
@@ -134,6 +137,7 @@ class ModelHost:
         self.sessions = SessionTable(config.max_sessions, config.kv_budget_tokens)
         # Why sessions cannot share a pass, where known before the model is served.
         self.batch_refusal: str | None | batching.Probe = batching.PROBE
+        self.matmul_path = matmul.DEFAULT
         self.metrics = ReplicaMetrics.for_model(config.model, config.max_sessions)
         self.scheduler = batching.StepScheduler(
             config.max_batch_sessions, config.max_batch_tokens,
@@ -168,6 +172,8 @@ class ModelHost:
             # sampled from); a target is never quantized.
             self.batch_refusal = batching.batching_refusal(model)
             model = models.quantize(model, replace(placement, quantize=cfg.quantize))
+        if group is None and placement.device_map is None:
+            self.matmul_path, _ = matmul.apply(model, cfg.matmul, matmul.TIMED_ROWS)
         if group is not None:
             group.loaded(cfg.tp_start_timeout_s)  # health stays NOT_SERVING until every rank has
         return model, dtype, group
@@ -181,6 +187,9 @@ class ModelHost:
         if group is not None:
             model = parallel.Lockstep(model, group, self._stop_on_failure)
             device += f", tensor-parallel over {group.top.size} ranks"
+        # v(T) on the path kept, where one process holds the whole model on one device.
+        pass_times = {} if group is not None or models.Placement(self.config.device).device_map \
+            else matmul.time_passes(model, matmul.PASS_TOKENS)
         self.info = common_pb2.ModelInfo(
             model=self.config.model,
             vocab_size=models.logits_width(model),
@@ -192,13 +201,18 @@ class ModelHost:
             boot_id=boot_id(),
             cpu_ids=sorted(os.sched_getaffinity(0)),
             accelerator_ids=accelerators,
+            matmul_path=self.matmul_path,
+            pass_times=[common_pb2.PassTime(token_count=t, pass_ms=ms)
+                        for t, ms in pass_times.items()],
         )
         self.tokenizer = tokenizer
         self.scheduler.start(model, self.batch_refusal)
         self.model = model
-        log.info("loaded %s on %s (%s) in %.1fs, %d threads; KV cache: %d bytes per token, budget %s",
-                 self.config.model, self.info.device, self.info.dtype,
+        log.info("loaded %s on %s (%s, matmul %s) in %.1fs, %d threads; passes (tokens: ms) "
+                 "%s; KV cache: %d bytes per token, budget %s",
+                 self.config.model, self.info.device, self.info.dtype, self.matmul_path,
                  time.perf_counter() - started, torch.get_num_threads(),
+                 ", ".join(f"{t}: {ms:.1f}" for t, ms in pass_times.items()) or "not timed",
                  models.kv_bytes_per_token(model), self.config.kv_budget_tokens or "none")
 
     def follow(self) -> None:

@@ -15,6 +15,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 # and print_blob prints a @reproduce_failure line that pins the failing case. To look for
 # new cases instead: HYPOTHESIS_PROFILE=default (random; add --hypothesis-seed=N to repeat).
 HYPOTHESIS_PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
+# Services started by the tests multiply on torch's default kernels, as the in-process
+# references do (a path timed at start-up could differ from run to run); the tests of the
+# matmul paths start services on each path and compare with references on the same one.
+os.environ.setdefault("TANDEM_MATMUL", "default")
 settings.load_profile(HYPOTHESIS_PROFILE)
 
 

@@ -35,18 +35,20 @@ def references() -> dict[str, list[int]]:
 
     path = models.resolve(models.DEFAULT_TARGET, progress=False)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    refs = {p: greedy_reference(path, tokenizer.encode(p), LENGTH) for p in PROMPTS}
+    refs = {p: greedy_reference(path, tokenizer.encode(p), LENGTH, matmul_path="onednn")
+            for p in PROMPTS}
     gc.collect()
     return refs
 
 
 @pytest.fixture(scope="module")
 def tandem_up(references: dict[str, list[int]], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """`tandem up` on port 0; the address is read back from its ready line. float32, as the
-    references are (auto would pick bfloat16 on a CPU with bf16 instructions)."""
+    """`tandem up` on port 0; the address is read back from its ready line. float32 on
+    oneDNN's packed kernels, as the references are (auto would pick bfloat16 on a CPU with
+    bf16 instructions, and the matmul path by timing)."""
     logs = tmp_path_factory.mktemp("logs")
     proc = subprocess.Popen([sys.executable, "-m", "tandem.cli", "up", "--port", "0", "--http-port", "0",
-                             "--dtype", "float32",
+                             "--dtype", "float32", "--matmul", "onednn",
                              "--log-dir", str(logs)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)  # its own group: killed with its services below

@@ -41,7 +41,7 @@ class SparseDistribution(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "vocab_size", "tokenizer_fingerprint", "max_context_tokens", "eos_token_ids", "dtype", "device", "proposers", "boot_id", "cpu_ids", "accelerator_ids")
+    __slots__ = ("model", "vocab_size", "tokenizer_fingerprint", "max_context_tokens", "eos_token_ids", "dtype", "device", "proposers", "boot_id", "cpu_ids", "accelerator_ids", "matmul_path", "pass_times")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +53,8 @@ class ModelInfo(_message.Message):
     BOOT_ID_FIELD_NUMBER: _ClassVar[int]
     CPU_IDS_FIELD_NUMBER: _ClassVar[int]
     ACCELERATOR_IDS_FIELD_NUMBER: _ClassVar[int]
+    MATMUL_PATH_FIELD_NUMBER: _ClassVar[int]
+    PASS_TIMES_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     tokenizer_fingerprint: str
@@ -64,7 +66,17 @@ class ModelInfo(_message.Message):
     boot_id: str
     cpu_ids: _containers.RepeatedScalarFieldContainer[int]
     accelerator_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_context_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., proposers: _Optional[_Iterable[_Union[Proposer, str]]] = ..., boot_id: _Optional[str] = ..., cpu_ids: _Optional[_Iterable[int]] = ..., accelerator_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    matmul_path: str
+    pass_times: _containers.RepeatedCompositeFieldContainer[PassTime]
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_context_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., proposers: _Optional[_Iterable[_Union[Proposer, str]]] = ..., boot_id: _Optional[str] = ..., cpu_ids: _Optional[_Iterable[int]] = ..., accelerator_ids: _Optional[_Iterable[str]] = ..., matmul_path: _Optional[str] = ..., pass_times: _Optional[_Iterable[_Union[PassTime, _Mapping]]] = ...) -> None: ...
+
+class PassTime(_message.Message):
+    __slots__ = ("token_count", "pass_ms")
+    TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
+    PASS_MS_FIELD_NUMBER: _ClassVar[int]
+    token_count: int
+    pass_ms: float
+    def __init__(self, token_count: _Optional[int] = ..., pass_ms: _Optional[float] = ...) -> None: ...
 
 class GetModelInfoRequest(_message.Message):
     __slots__ = ()
