@@ -38,7 +38,7 @@ import torch
 from bench.prompts import Prompt, prompts
 from orchestrator.config import OrchestratorConfig
 from orchestrator.policy import expected_tokens
-from tandem import models
+from tandem import matmul, models
 from tandem.launch import Process, spawn, wait_serving
 
 HF_MODES = ("hf-target", "hf-assisted", "hf-assisted-cheap")
@@ -336,6 +336,9 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any],
               f"threads {meta['threads']}"
               + (f", Medusa heads {meta['medusa_heads']}" if meta.get("medusa_heads") else ""))
     lines = [f"# tandem bench ({meta['started']})", "", header, ""]
+    if meta.get("pass_times"):
+        lines += [pass_table({name: {int(t): ms for t, ms in times.items()}
+                              for name, times in meta["pass_times"].items()}), ""]
     if meta.get("verify_ratio"):
         lines += ["Target pass over n tokens against one token, measured in process (v(n)/v(1)): "
                   + ", ".join(f"{n}: {r:.2f}" for n, r in meta["verify_ratio"].items())
@@ -457,6 +460,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=None)
     parser.add_argument("--num-code", type=int, default=20)
     parser.add_argument("--num-prose", type=int, default=10)
+    parser.add_argument("--code-prompts", choices=("humaneval", "own"), default="humaneval",
+                        help="code prompts: HumanEval's first ones, or bench/prompts.py's own")
+    parser.add_argument("--matmul", default="auto",
+                        help="the services' --matmul (HF in process runs torch's default kernels)")
     parser.add_argument("--settings", default="greedy,t0.7")
     parser.add_argument("--modes", default=None,
                         help="comma-separated (default: every mode; tandem-medusa only with --medusa-heads)")
@@ -492,14 +499,14 @@ def main(argv: list[str] | None = None) -> None:
                              quantize="int8-dynamic" if quantized else "")
     draft_path, target_path = models.resolve(args.draft), models.resolve(args.target)
     tokenizer = models.load_tokenizer(args.target)
-    items: list[Prompt] = prompts(args.num_code, args.num_prose)
+    items: list[Prompt] = prompts(args.num_code, args.num_prose, args.code_prompts)
 
     procs: dict[str, Process] = {}
-    threads = ["--threads", str(args.threads), "--device", args.device]
+    threads = ["--threads", str(args.threads), "--device", args.device, "--matmul", args.matmul]
     target_threads, draft_threads = threads, threads
     if args.placement == "split":
-        target_threads = ["--threads", "1", "--cpu-affinity", "0", "--device", args.device]
-        draft_threads = ["--threads", "1", "--cpu-affinity", "1", "--device", args.device]
+        target_threads = ["--threads", "1", "--cpu-affinity", "0", *threads[2:]]
+        draft_threads = ["--threads", "1", "--cpu-affinity", "1", *threads[2:]]
     try:
         if set(modes) & set(TANDEM_MODES):
             lookahead = ["--lookahead", args.lookahead] if args.lookahead else []
@@ -508,6 +515,8 @@ def main(argv: list[str] | None = None) -> None:
                 medusa += ["--medusa-choices", args.medusa_choices]
             procs["target-service"] = spawn(["target-service", "--model", args.target, "--dtype",
                                              args.target_dtype, *target_threads, *lookahead, *medusa])
+            # Alone while it times its passes at start-up: they are the table below.
+            wait_serving(procs["target-service"])
             cheap_args = ["--dtype", cheap.dtype] + (["--quantize", cheap.quantize] if cheap.quantize else [])
             procs["draft-service(cheap)"] = spawn(["draft-service", "--model", args.draft, *cheap_args,
                                                    *draft_threads])
@@ -541,9 +550,18 @@ def main(argv: list[str] | None = None) -> None:
             wait_serving(p)
         clients = {name: TandemClient(p.address) for name, p in procs.items() if name.startswith("orchestrator")}
         verify_ratio = None
+        pass_times: dict[str, dict[int, float]] = {}
+        if "target-service" in procs:
+            info = target_info(procs["target-service"].address)
+            pass_times[f"target service ({info.matmul_path})"] = {
+                p.token_count: p.pass_ms for p in info.pass_times}
         if "target" in hf:  # what wider passes cost on this machine: the bounds' premise, measured
             probe = (tokenizer.encode(items[0].text) * (k + 2))[: max(k + 1, 16)]
             verify_ratio = measure_verify_ratio(hf["target"], probe, range(1, k + 2))
+            pass_times["HF in process (default)"] = matmul.time_passes(hf["target"],
+                                                                       matmul.PASS_TOKENS)
+        if pass_times:
+            print(pass_table(pass_times), flush=True)
 
         runs: list[Run] = []
         jobs = [(s, p) for s in settings for p in items]
@@ -577,7 +595,8 @@ def main(argv: list[str] | None = None) -> None:
                         "split: target on core 0, draft on core 1, 1 thread each"),
             "medusa_heads": args.medusa_heads or None,
             "device": args.device, "matches": matches(runs), "peak_rss_mb": rss,
-            "verify_ratio": verify_ratio,
+            "verify_ratio": verify_ratio, "pass_times": pass_times, "matmul": args.matmul,
+            "code_prompts": args.code_prompts,
         }
         (out / "results.json").write_text(json.dumps(
             {"meta": meta, "summary": summary, "by_kind": kinds, "runs": [asdict(r) for r in runs]},
@@ -589,6 +608,30 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         for p in procs.values():
             p.stop()
+
+
+def target_info(address: str) -> Any:
+    """The target service's ModelInfo (its matmul path and the passes it timed)."""
+    import grpc
+
+    from tandem.v1 import common_pb2, target_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        return target_pb2_grpc.TargetServiceStub(channel).GetModelInfo(
+            common_pb2.GetModelInfoRequest(), timeout=60).info
+
+
+def pass_table(pass_times: dict[str, dict[int, float]]) -> str:
+    """v(T) per path: ms per pass by its tokens, and v(T)/v(1)."""
+    widths = sorted({t for times in pass_times.values() for t in times})
+    lines = ["| target pass, ms (v(T)/v(1)) | " + " | ".join(f"T={t}" for t in widths) + " |",
+             "|---|" + "---|" * len(widths)]
+    for name, times in pass_times.items():
+        one = times.get(1)
+        cells = [f"{times[t]:.0f} ({times[t] / one:.2f})" if t in times and one else "-"
+                 for t in widths]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def _one(mode: str, hf: dict[str, Any], clients: dict[str, Any], ids: list[int], setting: Setting, n: int,

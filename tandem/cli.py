@@ -66,6 +66,9 @@ def _serve_model(args: argparse.Namespace, label: str) -> None:
     if cfg.quantize and label == "target-service":
         sys.exit("target-service: --quantize is for drafts only; Tandem never changes the target's "
                  "output. Choose the target's precision with --dtype.")
+    if cfg.quantize not in ("", models.AUTO, *models.QUANTIZATIONS):
+        sys.exit(f"{label}: --quantize must be {', '.join(models.QUANTIZATIONS)} or auto, got "
+                 f"{cfg.quantize!r}")
     tls = _server_tls(cfg, label)
     if cfg.medusa_heads and label == "draft-service":
         sys.exit("draft-service: --medusa-heads is for the target service (the heads read the "
@@ -215,7 +218,13 @@ def _up(args: argparse.Namespace) -> None:
     for ref in (args.draft, args.target):
         models.resolve(ref)
     draft_dtype, target_dtype = args.draft_dtype or args.dtype, args.target_dtype or args.dtype
-    if args.draft_quantize and draft_dtype == models.AUTO_DTYPE:
+    # auto: timed by a float32 draft on a CPU (one in bfloat16 stays so).
+    quantize = "" if args.draft_quantize == "none" or (
+        args.draft_quantize == models.AUTO and args.device != "cpu") else args.draft_quantize
+    if quantize not in ("", models.AUTO, *models.QUANTIZATIONS):
+        sys.exit(f"up: --draft-quantize must be {', '.join(models.QUANTIZATIONS)}, auto or none, "
+                 f"got {args.draft_quantize!r}")
+    if quantize in models.QUANTIZATIONS and draft_dtype == models.AUTO_DTYPE:
         draft_dtype = "float32"  # int8-dynamic quantizes float32 weights
     draft_dtype, target_dtype = (
         models.auto_dtype(ref, args.device) if dtype == models.AUTO_DTYPE else dtype
@@ -223,7 +232,7 @@ def _up(args: argparse.Namespace) -> None:
     logs = Path(args.log_dir).expanduser()
     logs.mkdir(parents=True, exist_ok=True)
     print(f"starting draft {args.draft} ({draft_dtype}"
-          f"{'+' + args.draft_quantize if args.draft_quantize else ''}) and target {args.target} "
+          f"{', quantize ' + quantize if quantize else ''}) and target {args.target} "
           f"({target_dtype}) on {args.device}\n"
           f"  logs: {logs}/{{draft,target,orchestrator}}.log\n"
           f"loading models (the first load on a CPU takes a minute or two)...", flush=True)
@@ -237,8 +246,7 @@ def _up(args: argparse.Namespace) -> None:
     try:
         stack = start_stack(args.draft, args.target, draft_dtype=draft_dtype,
                             target_dtype=target_dtype, threads=0, port=args.port, host=args.host,
-                            draft_args=[*device, *(["--quantize", args.draft_quantize]
-                                                   if args.draft_quantize else [])],
+                            draft_args=[*device, *(["--quantize", quantize] if quantize else [])],
                             target_args=device, log_dir=logs, on_ready=ready,
                             orchestrator_args=["--http-port", str(args.http_port)]
                             if args.http_port >= 0 else [])
@@ -382,7 +390,10 @@ def _add_up_arguments(up: argparse.ArgumentParser) -> None:
                          "else float32 (default: %(default)s)")
     up.add_argument("--draft-dtype", default="", help="the draft's dtype, if not --dtype")
     up.add_argument("--target-dtype", default="", help="the target's dtype, if not --dtype")
-    up.add_argument("--draft-quantize", default="", help="int8-dynamic: a cheaper CPU draft")
+    up.add_argument("--draft-quantize", default=models.AUTO,
+                    help="int8-dynamic: a cheaper CPU draft; auto: int8-dynamic where the draft "
+                         "service times it cheaper than float32 on this CPU (with --matmul auto); "
+                         "none: float32 (default: %(default)s)")
     up.add_argument("--matmul", default=os.environ.get("TANDEM_MATMUL", "auto"),
                     help="how both models' linear layers multiply on a CPU: auto (each service "
                          "times each path at start-up and keeps the faster), default (torch's "

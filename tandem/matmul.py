@@ -36,6 +36,9 @@ DEFAULT = "default"
 ONEDNN = "onednn"
 PATHS = (DEFAULT, ONEDNN)
 AUTO = "auto"
+# A draft may also run int8: weights quantized, activations scaled per pass (fbgemm). It
+# changes the draft's numbers, so only its acceptance, never the output; a target never.
+INT8 = "int8-dynamic"
 CHOICES = (AUTO, *PATHS)
 # The dtypes oneDNN's packed linear serves on a CPU.
 ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
@@ -113,7 +116,7 @@ class Choice:
         """The timing table the service logs: rows x path, ms summed over the model's layers."""
         head = "rows " + " ".join(f"{r:>8d}" for r in self.rows)
         lines = [head]
-        for path in PATHS:
+        for path in (*PATHS, INT8):
             if not all(path in t for t in self.timings.values()):
                 continue
             total = [sum(t[path][i] * s.layers for s, t in self.timings.items())
@@ -166,12 +169,25 @@ def time_layer(layer: nn.Linear, rows: Sequence[int], paths: Sequence[str], repe
         layer = part
     out: dict[str, tuple[float, ...]] = {}
     for path in paths:
-        fn: nn.Module = layer if path == DEFAULT else OneDnnLinear(layer, max(rows))
+        fn: nn.Module = layer if path == DEFAULT else OneDnnLinear(layer, max(rows)) \
+            if path == ONEDNN else _int8_copy(layer)
         out[path] = tuple(scale * _median_ms(
             fn, torch.randn(1, r, layer.in_features, dtype=layer.weight.dtype), repeats)
             for r in rows)
         del fn
     return out
+
+
+def _int8_copy(layer: nn.Linear) -> nn.Module:
+    import warnings
+
+    from torch.ao.quantization import quantize_dynamic
+
+    copy = nn.Sequential(nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None))
+    copy.load_state_dict({f"0.{k}": v for k, v in layer.state_dict().items()})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch deprecates torch.ao quantization, not this path yet
+        return quantize_dynamic(copy, {nn.Linear}, dtype=torch.qint8)  # type: ignore[no-untyped-call, no-any-return]
 
 
 def fastest(timings: dict[str, tuple[float, ...]]) -> str:
@@ -220,10 +236,14 @@ def refusal(model: nn.Module) -> str | None:
     return None
 
 
-def apply(model: nn.Module, choice: str, rows: Sequence[int], repeats: int = 5
-          ) -> tuple[str, Choice | None]:
+def apply(model: nn.Module, choice: str, rows: Sequence[int], repeats: int = 5,
+          may_quantize: bool = False) -> tuple[str, Choice | None]:
     """Put the model on the path `choice` names (auto: timed per shape); the path it runs
-    on, and the timings where they were taken."""
+    on, and the timings where they were taken.
+
+    With `may_quantize` (a float32 draft), auto times int8-dynamic too; where the model's
+    layers cost less in int8 than on the float paths, it returns INT8 and leaves the model
+    as it is, for the caller to quantize (`models.quantize`)."""
     if choice not in CHOICES:
         raise PathError(f"--matmul must be one of {', '.join(CHOICES)}, got {choice!r}")
     if choice == DEFAULT:
@@ -241,10 +261,18 @@ def apply(model: nn.Module, choice: str, rows: Sequence[int], repeats: int = 5
     representative: dict[tuple[int, int], nn.Linear] = {}
     for _, _, layer in linear_layers(model):
         representative.setdefault((layer.in_features, layer.out_features), layer)
-    timings = {found[key]: time_layer(layer, rows, PATHS, repeats)
+    paths = (*PATHS, INT8) if may_quantize and model.dtype == torch.float32 else PATHS
+    timings = {found[key]: time_layer(layer, rows, paths, repeats)
                for key, layer in representative.items()}
-    chosen = {shape: fastest(t) for shape, t in timings.items()}
+    chosen = {shape: fastest({p: t[p] for p in PATHS}) for shape, t in timings.items()}
     result = Choice(tuple(rows), timings, chosen)
+    if INT8 in paths:
+        floats = sum(sum(t[chosen[s]]) * s.layers for s, t in timings.items())
+        int8 = sum(sum(t[INT8]) * s.layers for s, t in timings.items())
+        if int8 < floats:
+            log.info("matmul path: %s (its layers cost %.0f%% of the float paths'); linear "
+                     "layers' ms per pass, by rows:\n%s", INT8, 100 * int8 / floats, result.table())
+            return INT8, result
     pack(model, {(s.in_features, s.out_features): p for s, p in chosen.items()}, max(rows))
     log.info("matmul path: %s; linear layers' ms per pass, by rows:\n%s", result.summary,
              result.table())

@@ -65,7 +65,9 @@ class ModelServiceConfig(ServerSecurityConfig):
     dtype: str = option("float32", "float32, bfloat16, float16, or auto: the model's own dtype on "
                         "a GPU, bfloat16 on a CPU with bf16 instructions, else float32")
     max_memory: str = option("", "accelerate max_memory for device maps, e.g. 0=70GiB,1=70GiB")
-    quantize: str = option("", "draft only: int8-dynamic quantizes the Linear layers (CPU, float32); "
+    quantize: str = option("", "draft only: int8-dynamic quantizes the Linear layers (CPU, float32), "
+                           "or auto: where the timing at start-up (--matmul auto) finds int8 "
+                           "cheaper than float32 on this CPU; "
                            "changes acceptance, never the output")
     matmul: str = option("auto", "how the linear layers multiply on a CPU: auto (time each "
                          "weight shape on each path at start-up, keep the faster), default "
@@ -138,6 +140,7 @@ class ModelHost:
         # Why sessions cannot share a pass, where known before the model is served.
         self.batch_refusal: str | None | batching.Probe = batching.PROBE
         self.matmul_path = matmul.DEFAULT
+        self.quantized = ""  # what --quantize (auto: the timing) chose
         self.metrics = ReplicaMetrics.for_model(config.model, config.max_sessions)
         self.scheduler = batching.StepScheduler(
             config.max_batch_sessions, config.max_batch_tokens,
@@ -153,7 +156,8 @@ class ModelHost:
                  os.environ.get("OMP_WAIT_POLICY", "(unset)"))
         dtype = cfg.dtype
         if dtype == models.AUTO_DTYPE:  # int8-dynamic quantizes float32 weights
-            dtype = "float32" if cfg.quantize else models.auto_dtype(cfg.model, cfg.device)
+            dtype = "float32" if cfg.quantize in models.QUANTIZATIONS \
+                else models.auto_dtype(cfg.model, cfg.device)
         device = cfg.device
         group = None
         if top is not None:
@@ -164,16 +168,24 @@ class ModelHost:
                                    f"model {cfg.model!r} in {dtype} over {top.size} ranks")
         placement = models.Placement(device, dtype, cfg.max_memory, tensor_parallel_size=top.size if top else 1)
         model = models.load_model(cfg.model, placement)
-        if cfg.quantize:
+        quantize = cfg.quantize
+        if group is None and placement.device_map is None and quantize != matmul.INT8:
+            self.matmul_path, _ = matmul.apply(
+                model, cfg.matmul, matmul.TIMED_ROWS,
+                may_quantize=quantize == models.AUTO and placement.device == "cpu")
+            quantize = self.matmul_path if self.matmul_path == matmul.INT8 else ""
+        elif quantize == models.AUTO:
+            quantize = ""  # int8-dynamic runs on one CPU device
+        if quantize:
+            self.matmul_path = quantize
             # int8-dynamic scales a pass's activations as one tensor, so a session's q moves
             # with the sessions that share its pass: the probe could not tell that from a leak.
             # It checks the architecture on the float weights instead. A draft's q may depend on
             # anything but this request's acceptance draws and stays exact (it is what the draft
             # sampled from); a target is never quantized.
             self.batch_refusal = batching.batching_refusal(model)
-            model = models.quantize(model, replace(placement, quantize=cfg.quantize))
-        if group is None and placement.device_map is None:
-            self.matmul_path, _ = matmul.apply(model, cfg.matmul, matmul.TIMED_ROWS)
+            model = models.quantize(model, replace(placement, quantize=quantize))
+        self.quantized = quantize
         if group is not None:
             group.loaded(cfg.tp_start_timeout_s)  # health stays NOT_SERVING until every rank has
         return model, dtype, group
@@ -196,7 +208,7 @@ class ModelHost:
             tokenizer_fingerprint=models.tokenizer_fingerprint(tokenizer),
             max_context_tokens=models.max_context_tokens(model),
             eos_token_ids=models.eos_token_ids(model, tokenizer),
-            dtype=dtype + (f"+{self.config.quantize}" if self.config.quantize else ""),
+            dtype=dtype + (f"+{self.quantized}" if self.quantized else ""),
             device=device,
             boot_id=boot_id(),
             cpu_ids=sorted(os.sched_getaffinity(0)),

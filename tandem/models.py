@@ -74,8 +74,9 @@ DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 CausalLM = Any
 
 DTYPES = ("float32", "bfloat16", "float16")
-#: --dtype auto: the fastest exact-enough choice for the hardware (see `auto_dtype`).
-AUTO_DTYPE = "auto"
+#: --dtype auto: the fastest exact-enough choice for the hardware (see `auto_dtype`);
+#: --quantize auto: int8 where it times cheaper (tandem.matmul).
+AUTO = AUTO_DTYPE = "auto"
 
 
 def torch_dtype(name: str) -> torch.dtype:

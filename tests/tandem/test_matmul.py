@@ -128,3 +128,17 @@ def test_replicas_report_their_path_and_pass_times(path_stack: tuple[str, Stack]
     assert info.matmul_path == path
     assert [p.token_count for p in info.pass_times] == list(matmul.PASS_TOKENS)
     assert all(p.pass_ms > 0 for p in info.pass_times)
+
+
+def test_a_draft_may_time_int8_and_takes_it_where_cheaper(tiny_target: Path) -> None:
+    model = tiny_model(tiny_target)
+    path, choice = matmul.apply(model, "auto", (1, 2), repeats=2, may_quantize=True)
+    assert choice is not None and all(matmul.INT8 in t for t in choice.timings.values())
+    floats = sum(sum(t[choice.chosen[s]]) * s.layers for s, t in choice.timings.items())
+    int8 = sum(sum(t[matmul.INT8]) * s.layers for s, t in choice.timings.items())
+    assert path == (matmul.INT8 if int8 < floats else choice.summary)
+    # Int8 is left to the caller to apply (the model is untouched then); else shapes are packed.
+    packed = sum(isinstance(m, matmul.OneDnnLinear) for m in model.modules())
+    onednn_layers = sum(s.layers for s, p in choice.chosen.items() if p == "onednn")
+    assert packed == (0 if path == matmul.INT8 else onednn_layers)
+    assert matmul.INT8 in choice.table()
