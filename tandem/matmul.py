@@ -201,7 +201,9 @@ def pack(model: nn.Module, keep: dict[tuple[int, int], str] | None = None,
     to onednn; all without `keep`); how many were packed. A tied head keeps its embedding's
     weight, so that matrix is then held twice (its packed copy for the head)."""
     packed = 0
-    for parent, name, layer in linear_layers(model):
+    layers = linear_layers(model)
+    while layers:  # popped as packed: a dense weight is freed once its packed copy exists
+        parent, name, layer = layers.pop()
         if keep is not None and keep.get((layer.in_features, layer.out_features)) != ONEDNN:
             continue
         setattr(parent, name, OneDnnLinear(layer, rows_hint))
