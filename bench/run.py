@@ -7,6 +7,8 @@ Modes (each prompt runs every mode before the next prompt; the order rotates):
   tandem-k0         Tandem with num_speculative_tokens=0: plain target decoding via the services
   tandem            Tandem speculative, default policy, cheap draft
   tandem-plain-draft  Tandem speculative with the draft in the target's dtype (acceptance before quantization)
+  tandem-llama      Tandem speculative, default policy, the draft's GGUF file on llama.cpp
+                    (--backend llama.cpp; the other draft modes run --backend transformers)
   tandem-lookup     Tandem with proposer=prompt-lookup: n-gram matches in the history, no model
   tandem-lookahead  Tandem with proposer=lookahead: no draft model; the target proposes n-grams from a
                     Jacobi window scored in its own pass (--lookahead W,N,G, the target's default if unset)
@@ -38,11 +40,12 @@ import torch
 from bench.prompts import Prompt, prompts
 from orchestrator.config import OrchestratorConfig
 from orchestrator.policy import expected_tokens
-from tandem import matmul, models
+from tandem import llama, matmul, models
 from tandem.launch import Process, spawn, wait_serving
 
 HF_MODES = ("hf-target", "hf-assisted", "hf-assisted-cheap")
-TANDEM_MODES = ("tandem-k0", "tandem", "tandem-plain-draft", "tandem-lookup", "tandem-lookahead",
+TANDEM_MODES = ("tandem-k0", "tandem", "tandem-plain-draft", "tandem-llama", "tandem-lookup",
+                "tandem-lookahead",
                 "tandem-medusa", "tandem-sequential", "tandem-overlap")
 # Modes at a fixed k on an orchestrator of their own: --overlap off and on.
 OVERLAP_MODES = {"tandem-sequential": "off", "tandem-overlap": "on"}
@@ -484,7 +487,8 @@ def main(argv: list[str] | None = None) -> None:
         args.num_code, args.num_prose, args.settings = 2, 1, "greedy"
     n = args.max_new_tokens or (32 if args.quick else 128)
     modes = ([m for m in args.modes.split(",") if m] if args.modes is not None else
-             [m for m in MODES if m != "tandem-medusa" or args.medusa_heads])
+             [m for m in MODES if (m != "tandem-medusa" or args.medusa_heads)
+              and (m != "tandem-llama" or llama.available())])
     unknown = sorted(set(modes) - set(MODES))
     if unknown:
         parser.error(f"unknown modes {unknown}; choose from {', '.join(MODES)}")
@@ -517,12 +521,17 @@ def main(argv: list[str] | None = None) -> None:
                                              args.target_dtype, *target_threads, *lookahead, *medusa])
             # Alone while it times its passes at start-up: they are the table below.
             wait_serving(procs["target-service"])
-            cheap_args = ["--dtype", cheap.dtype] + (["--quantize", cheap.quantize] if cheap.quantize else [])
+            cheap_args = ["--backend", "transformers", "--dtype", cheap.dtype] + (
+                ["--quantize", cheap.quantize] if cheap.quantize else [])
             procs["draft-service(cheap)"] = spawn(["draft-service", "--model", args.draft, *cheap_args,
                                                    *draft_threads])
             if "tandem-plain-draft" in modes:
-                procs["draft-service(plain)"] = spawn(["draft-service", "--model", args.draft, "--dtype",
+                procs["draft-service(plain)"] = spawn(["draft-service", "--model", args.draft,
+                                                       "--backend", "transformers", "--dtype",
                                                        args.target_dtype, *draft_threads])
+            if "tandem-llama" in modes:
+                procs["draft-service(llama)"] = spawn(["draft-service", "--model", args.draft,
+                                                       "--backend", "llama.cpp", *draft_threads])
             orch_args = ["--target", procs["target-service"].address, "--tokenizer", args.target]
             if args.num_speculative_tokens is not None:
                 orch_args += ["--num-speculative-tokens", str(args.num_speculative_tokens)]
@@ -531,6 +540,9 @@ def main(argv: list[str] | None = None) -> None:
             if "tandem-plain-draft" in modes:
                 procs["orchestrator(plain)"] = spawn(["orchestrator", "--draft",
                                                       procs["draft-service(plain)"].address, *orch_args])
+            if "tandem-llama" in modes:
+                procs["orchestrator(llama)"] = spawn(["orchestrator", "--draft",
+                                                      procs["draft-service(llama)"].address, *orch_args])
             for mode, overlap in OVERLAP_MODES.items():
                 if mode in modes:
                     procs[f"orchestrator({mode})"] = spawn([
@@ -642,7 +654,8 @@ def _one(mode: str, hf: dict[str, Any], clients: dict[str, Any], ids: list[int],
         tokens, wall, ttft, first = hf_run(mode, hf["target"], assistant, ids, setting, n, seed)
         return Run(mode, setting.name, name, kind, len(tokens), wall, ttft, tokens, first_tokens=first)
     client = clients[f"orchestrator({mode})" if mode in OVERLAP_MODES else
-                     "orchestrator(plain)" if mode == "tandem-plain-draft" else "orchestrator(cheap)"]
+                     "orchestrator(plain)" if mode == "tandem-plain-draft" else
+                     "orchestrator(llama)" if mode == "tandem-llama" else "orchestrator(cheap)"]
     proposer = MODE_PROPOSERS.get(mode)
     # The overlap modes compare the two loops at one fixed k (the server's default when unset).
     fixed = k if k is not None else OrchestratorConfig.num_speculative_tokens

@@ -59,6 +59,9 @@ MODES = {  # name: (services' flags, draft model used, k per request: None = the
     # A second batched k=0 stack (an A/A control): its ratio to batched k=0 is the noise floor
     # between two stacks running the same computation, against which any other ratio is read.
     "batched k=0 twin": ([], False, 0, []),
+    # The draft's GGUF file on llama.cpp instead of transformers (the --draft-args' quantize
+    # does not apply: a GGUF file carries its own).
+    "batched speculation llama.cpp": (["--backend", "llama.cpp", "--quantize", ""], True, None, []),
 }
 DEFAULT_MODES = ("per-session k=0", "batched k=0", "batched speculation")
 
@@ -257,8 +260,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--draft", default=models.DEFAULT_DRAFT)
     parser.add_argument("--target", default=models.DEFAULT_TARGET)
-    parser.add_argument("--draft-args", default="--quantize int8-dynamic --dtype float32",
-                        help="extra draft-service flags (default: the int8 draft)")
+    parser.add_argument("--draft-args",
+                        default="--backend transformers --quantize int8-dynamic --dtype float32",
+                        help="extra draft-service flags (default: the int8 transformers draft)")
     parser.add_argument("--target-args", default="--dtype auto", help="extra target-service flags")
     parser.add_argument("--concurrency", default="1,2,4,8,16,32")
     parser.add_argument("--max-new-tokens", type=int, default=32)

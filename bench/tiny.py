@@ -8,6 +8,7 @@ exercise the real loading path.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -90,3 +91,80 @@ def make_pair(directory: Path) -> tuple[Path, Path]:
     """(draft, target): the tests' tiny pair, a target and a noisy copy of it as the draft."""
     target = make_model(directory / "target", seed=1)
     return make_draft_like(target, directory / "draft", noise=0.05, seed=2), target
+
+
+def _byte_level(text: str) -> str:
+    """A token's text in GPT-2's byte-level alphabet (space -> U+0120, newline -> U+010A, ...),
+    the form llama.cpp's BPE vocabularies hold."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    mapping, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            mapping[b] = chr(b)
+        else:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return "".join(mapping[b] for b in text.encode())
+
+
+def make_gguf(hf_dir: Path, out_dir: Path) -> Path:
+    """The tiny Llama model at `hf_dir` as a float32 GGUF file in `out_dir`, beside a copy of its
+    tokenizer files (what a llama.cpp draft service loads); its path."""
+    import gguf
+    import numpy as np
+
+    model = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    config: Any = model.config  # a LlamaConfig: every field below is set
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(hf_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "draft.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = config.hidden_size // heads
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list([_byte_level(token) for token, _ in vocab])
+    special = set(tokenizer.all_special_tokens)
+    writer.add_token_types([gguf.TokenType.CONTROL if token in special else gguf.TokenType.NORMAL
+                            for token, _ in vocab])
+    writer.add_token_merges(["a b"])  # llama.cpp's BPE vocabularies must hold merges
+    writer.add_eos_token_id(int(config.eos_token_id))
+
+    def permute(w: np.ndarray, n: int) -> np.ndarray:
+        # HF rotates the two halves of a head; llama.cpp's llama rotates adjacent pairs.
+        return w.reshape(n, 2, w.shape[0] // n // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    state = {k: v.numpy() for k, v in model.state_dict().items()}
+    writer.add_tensor("token_embd.weight", state["model.embed_tokens.weight"])
+    writer.add_tensor("output_norm.weight", state["model.norm.weight"])
+    writer.add_tensor("output.weight", state["lm_head.weight"])
+    for i in range(config.num_hidden_layers):
+        layer = f"model.layers.{i}."
+        for name, key in (("attn_norm", "input_layernorm"), ("ffn_norm", "post_attention_layernorm"),
+                          ("attn_v", "self_attn.v_proj"), ("attn_output", "self_attn.o_proj"),
+                          ("ffn_gate", "mlp.gate_proj"), ("ffn_up", "mlp.up_proj"),
+                          ("ffn_down", "mlp.down_proj")):
+            writer.add_tensor(f"blk.{i}.{name}.weight", state[layer + key + ".weight"])
+        writer.add_tensor(f"blk.{i}.attn_q.weight", permute(state[layer + "self_attn.q_proj.weight"], heads))
+        writer.add_tensor(f"blk.{i}.attn_k.weight",
+                          permute(state[layer + "self_attn.k_proj.weight"], kv_heads))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (hf_dir / name).exists():
+            (out_dir / name).write_bytes((hf_dir / name).read_bytes())
+    return path

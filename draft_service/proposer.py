@@ -13,14 +13,13 @@ target's law: docs/ARCHITECTURE.md ("Drafting ahead").
 from __future__ import annotations
 
 import asyncio
-import copy
 from dataclasses import dataclass, field
 
 import torch
 
 from tandem import sampling
 from tandem.batching import Forward, Pass
-from tandem.kv import KVSession
+from tandem.kv import KVSession, fork_cache
 
 _MASK64 = (1 << 64) - 1
 
@@ -137,13 +136,9 @@ class Drafter:
 def fork(session: KVSession, length: int) -> KVSession:
     """A copy of the session's cache cut to `length`, with what the draft computed there: a
     guess drafts in it without disturbing the session's own."""
-    branch = KVSession(f"{session.session_id}/guess", session.vocab_size)
-    # The layers' tensors are shared, not copied: a cache only ever cuts (a view) or appends
-    # (a new tensor), never writes in place, so neither side sees the other's changes.
-    branch.cache = copy.copy(session.cache)
-    branch.cache.layers = [copy.copy(layer) for layer in session.cache.layers]
+    branch = KVSession(f"{session.session_id}/guess", session.vocab_size,
+                       new_cache=session.new_cache, cache=fork_cache(session.cache, length))
     branch.token_ids = session.token_ids[:length]
-    branch.rollback(length)
     state = session.proposer_state.get("draft")
     if state is not None:
         branch.proposer_state["draft"] = DraftState(

@@ -30,7 +30,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from transformers import AttentionInterface, DynamicCache
@@ -255,6 +255,42 @@ def batching_refusal(model: models.CausalLM) -> str | None:
     return None
 
 
+class Runner(Protocol):
+    """What the scheduler's worker runs passes on: a Hugging Face model's own forward
+    (`TorchRunner`), or another engine's (tandem.llama). Every method runs on the worker."""
+
+    def single(self, p: Pass) -> PassOutput:
+        """One session's pass on its own."""
+
+    def batched(self, passes: list[Pass], buckets: tuple[int, ...]) -> list[PassOutput]:
+        """Several sessions' passes as one forward (`buckets`: pad its tokens to one of them)."""
+
+    def cut(self, session: KVSession, length: int) -> None:
+        """After a failed pass: cut the session's cache back to `length`, however far it got."""
+
+    def stoppable(self) -> list[torch.nn.Module]:
+        """Modules before each of which a running pass may stop (PassAborted)."""
+
+
+@dataclass(frozen=True)
+class TorchRunner:
+    """Passes through a Hugging Face model's forward: `single` and `batched` above."""
+
+    model: models.CausalLM
+
+    def single(self, p: Pass) -> PassOutput:
+        return single(self.model, p)
+
+    def batched(self, passes: list[Pass], buckets: tuple[int, ...]) -> list[PassOutput]:
+        return batched(self.model, passes, models.sliding_window(self.model), buckets)
+
+    def cut(self, session: KVSession, length: int) -> None:
+        _cut(session.cache, length)
+
+    def stoppable(self) -> list[torch.nn.Module]:
+        return decoder_layers(self.model)
+
+
 class PassAborted(Exception):
     """Every step waiting on the running pass was cancelled: it stops at the next layer."""
 
@@ -267,7 +303,7 @@ def decoder_layers(model: Any) -> list[torch.nn.Module]:
 
 
 class Probe:
-    """StepScheduler.start's default: probe the model it is given."""
+    """A batch refusal not known yet: the probe (batching_refusal) finds it out."""
 
 
 PROBE = Probe()
@@ -315,20 +351,17 @@ class StepScheduler:
         self.sessions = sessions  # protects a running pass's session from eviction
         self._queue: deque[_Queued] = deque()
         self._ready = threading.Condition()
-        self._model: models.CausalLM | None = None
-        self._window: int | None = None
+        self._runner: Runner | None = None
         self._running: list[_Queued] = []  # the pass on the worker now
 
-    def start(self, model: models.CausalLM, refusal: str | None | Probe = PROBE) -> None:
-        """Serve passes of `model`; `refusal`: why its sessions cannot share a pass (None:
-        they can), when already known; by default the probe finds out."""
-        if isinstance(refusal, Probe):
-            refusal = batching_refusal(model)
+    def start(self, runner: Runner, refusal: str | None) -> None:
+        """Serve passes on `runner`; `refusal`: why its sessions cannot share a pass (None:
+        they can)."""
         if refusal is not None and (self.max_sessions > 1 or self.buckets):
             log.warning("sessions of this model run one per forward pass, unpadded: %s", refusal)
             self.max_sessions, self.buckets = 1, ()
-        self._model, self._window = model, models.sliding_window(model)
-        for layer in decoder_layers(model):
+        self._runner = runner
+        for layer in runner.stoppable():
             layer.register_forward_pre_hook(self._stop_if_unwanted)
         threading.Thread(target=self._run, name="forward", daemon=True).start()
 
@@ -390,17 +423,18 @@ class StepScheduler:
         """The passes' outputs, or each one's own error: when a shared pass fails, every
         session is cut back to where it was and its pass runs alone, so one bad pass costs
         only its own step."""
-        assert self._model is not None
+        runner = self._runner
+        assert runner is not None
         before = [min(q.p.session.length, q.p.cache_position)
                   for q in live]
         self._running = live
         try:
             if len(live) == 1 and not self.buckets:
-                return [single(self._model, live[0].p)]
-            return list(batched(self._model, [q.p for q in live], self._window, self.buckets))
+                return [runner.single(live[0].p)]
+            return list(runner.batched([q.p for q in live], self.buckets))
         except PassAborted as exc:  # every step it served is gone: leave the caches as they were
             for q, length in zip(live, before, strict=True):
-                _cut(q.p.session.cache, length)
+                runner.cut(q.p.session, length)
             return [exc] * len(live)
         except BaseException as exc:  # noqa: BLE001 - handed to the step; a shared pass: retried below
             if len(live) == 1:
@@ -412,8 +446,8 @@ class StepScheduler:
         outputs: list[PassOutput | BaseException] = []
         for q, length in zip(live, before, strict=True):
             try:
-                _cut(q.p.session.cache, length)  # every layer, however far the pass got
-                outputs.append(single(self._model, q.p))
+                runner.cut(q.p.session, length)  # every layer, however far the pass got
+                outputs.append(runner.single(q.p))
             except BaseException as exc:  # noqa: BLE001 - handed to its own step
                 outputs.append(exc)
         return outputs

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import logging
 import math
@@ -12,6 +13,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable, MutableMapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +68,10 @@ def _serve_model(args: argparse.Namespace, label: str) -> None:
     if cfg.quantize and label == "target-service":
         sys.exit("target-service: --quantize is for drafts only; Tandem never changes the target's "
                  "output. Choose the target's precision with --dtype.")
+    cfg = replace(cfg, backend=_backend(cfg, label))
+    if cfg.backend == "llama.cpp" and cfg.quantize in models.QUANTIZATIONS:
+        sys.exit(f"{label}: --quantize {cfg.quantize} is for the transformers backend; a GGUF "
+                 "file carries its own quantization")
     if cfg.quantize not in ("", models.AUTO, *models.QUANTIZATIONS):
         sys.exit(f"{label}: --quantize must be {', '.join(models.QUANTIZATIONS)} or auto, got "
                  f"{cfg.quantize!r}")
@@ -166,6 +172,58 @@ def _reap(followers: Sequence[Any], timeout_s: float) -> None:
             child.wait()
 
 
+def _backend(cfg: Any, label: str) -> str:
+    """--backend resolved: llama.cpp or transformers; refused in one line where it cannot run."""
+    from tandem import llama
+    from tandem.model_service import BACKENDS, LLAMA_CPP, TRANSFORMERS
+
+    if cfg.backend not in BACKENDS:
+        sys.exit(f"{label}: --backend must be one of {', '.join(BACKENDS)}, got {cfg.backend!r}")
+    if label == "target-service":
+        if cfg.backend == LLAMA_CPP:
+            sys.exit("target-service: --backend llama.cpp is for drafts; the target runs on "
+                     "transformers (its passes score token trees and shard over GPUs)")
+        return TRANSFORMERS
+    if cfg.backend == models.AUTO and cfg.model in models.BUILTIN_MODELS and not llama.available():
+        log.info("%s: llama-cpp-python is not installed: the built-in draft runs on transformers",
+                 label)
+        return TRANSFORMERS
+    try:
+        gguf = models.find_gguf(cfg.model, cfg.gguf_file) if cfg.backend != TRANSFORMERS else None
+    except models.ModelError as exc:
+        sys.exit(f"{label}: {exc}")
+    if cfg.backend == LLAMA_CPP:
+        if gguf is None:
+            sys.exit(f"{label}: --backend llama.cpp needs a GGUF model (a .gguf file, a directory "
+                     f"holding one, or a built-in model); {cfg.model!r} is none")
+        if not llama.available():
+            sys.exit(f"{label}: --backend llama.cpp needs llama-cpp-python (make install builds "
+                     "it; pip install llama-cpp-python)")
+        return _loadable(gguf, label)
+    if cfg.backend == models.AUTO and gguf is not None:
+        if llama.available():
+            return _loadable(gguf, label)
+        log.warning("%s: %s is a GGUF model but llama-cpp-python is not installed: running it on "
+                    "transformers", label, cfg.model)
+    if gguf is not None and not (cfg.model in models.BUILTIN_MODELS or Path(cfg.model).is_dir()
+                                 and (Path(cfg.model) / "config.json").exists()):
+        sys.exit(f"{label}: {cfg.model} is a GGUF file, which transformers does not load here; "
+                 "install llama-cpp-python or pass a Hugging Face model directory")
+    return TRANSFORMERS
+
+
+def _loadable(gguf: Path, label: str) -> str:
+    """llama.cpp, once it is known to load `gguf`; refused in one line otherwise."""
+    from tandem import llama
+    from tandem.model_service import LLAMA_CPP
+
+    try:
+        llama.check(str(gguf))
+    except llama.LlamaError as exc:
+        sys.exit(f"{label}: {exc}")
+    return LLAMA_CPP
+
+
 def _check_model(label: str, flag: str, ref: str) -> None:
     """Refuse a model that cannot load now, in one line, before the port is announced."""
     try:
@@ -231,8 +289,12 @@ def _up(args: argparse.Namespace) -> None:
         for ref, dtype in ((args.draft, draft_dtype), (args.target, target_dtype)))
     logs = Path(args.log_dir).expanduser()
     logs.mkdir(parents=True, exist_ok=True)
-    print(f"starting draft {args.draft} ({draft_dtype}"
-          f"{', quantize ' + quantize if quantize else ''}) and target {args.target} "
+    # What the draft service's --backend auto picks: llama.cpp for a GGUF model.
+    on_llama = importlib.util.find_spec("llama_cpp") is not None \
+        and models.find_gguf(args.draft) is not None
+    print(f"starting draft {args.draft} "
+          f"({'llama.cpp, its GGUF file' if on_llama else draft_dtype}"
+          f"{', quantize ' + quantize if quantize and not on_llama else ''}) and target {args.target} "
           f"({target_dtype}) on {args.device}\n"
           f"  logs: {logs}/{{draft,target,orchestrator}}.log\n"
           f"loading models (the first load on a CPU takes a minute or two)...", flush=True)

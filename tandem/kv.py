@@ -8,7 +8,9 @@ back to it (rollback), then the step's new tokens are appended.
 
 from __future__ import annotations
 
+import copy
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,7 +82,10 @@ class KVSession:
 
     session_id: str
     vocab_size: int
-    cache: DynamicCache = field(default_factory=DynamicCache)
+    # An empty cache of the service's engine: transformers' DynamicCache, or a llama.cpp
+    # sequence (tandem.llama.SeqCache); either has get_seq_length() and crop().
+    new_cache: Callable[[], Any] = field(default=DynamicCache, repr=False)
+    cache: Any = None  # new_cache() until a pass fills it
     # A proposer's per-session soft state (Medusa's next candidates, Lookahead's window and
     # n-gram pool); like the cache, it may be lost at any time and is rebuilt as it goes.
     proposer_state: dict[str, Any] = field(default_factory=dict)
@@ -103,6 +108,10 @@ class KVSession:
     tail_from: int | None = None
     tail_extra: int = 0  # tokens of the tail held outside this cache (copies of it, per guess)
     ahead: bool = False  # drafting ahead now: its tail is being written, so it is not trimmed
+
+    def __post_init__(self) -> None:
+        if self.cache is None:
+            self.cache = self.new_cache()
 
     @property
     def length(self) -> int:
@@ -133,7 +142,7 @@ class KVSession:
         if cache_position == self.length:
             return  # nothing to drop (a proposer's state included)
         if cache_position == 0:
-            self.cache = DynamicCache()
+            self.cache = self.new_cache()
             self.proposer_state.clear()
         elif cache_position < self.length:
             # transformers 5.x: crop() takes the (negative) number of tokens to remove.
@@ -165,7 +174,7 @@ class KVSession:
         """Free the cache. The session is over: its next step gets NOT_FOUND (a step already
         queued included, so its reservation is released too), and the caller rebuilds the
         cache on a new session."""
-        self.cache = DynamicCache()
+        self.cache = self.new_cache()
         self.proposer_state.clear()
         self.evicted = True
 
@@ -216,6 +225,19 @@ class KVSession:
         return logits, hidden
 
 
+def fork_cache(cache: Any, length: int) -> Any:
+    """A copy of `cache` cut to its first `length` tokens; the original is left as it is."""
+    if not isinstance(cache, DynamicCache):
+        return cache.fork(length)  # an engine's own copy (tandem.llama.SeqCache.fork)
+    # The layers' tensors are shared, not copied: a cache only ever cuts (a view) or appends
+    # (a new tensor), never writes in place, so neither side sees the other's changes.
+    branch = copy.copy(cache)
+    branch.layers = [copy.copy(layer) for layer in cache.layers]
+    if length < branch.get_seq_length():
+        branch.crop(length - branch.get_seq_length())
+    return branch
+
+
 def last_rows(n: int, keep: int, device: torch.device) -> torch.Tensor:
     """`logits_to_keep` for the last `keep` of n rows, as indices: the model then gathers them
     into a fresh tensor. An int makes it slice a strided view, which torch (2.13, CPU, bf16)
@@ -257,14 +279,15 @@ class SessionTable:
         return sum(max(0, s.length - s.tail_from) + s.tail_extra for s in self._sessions.values()
                    if s.tail_from is not None)
 
-    def open(self, session_id: str, vocab_size: int) -> tuple[int, KVSession]:
+    def open(self, session_id: str, vocab_size: int,
+             new_cache: Callable[[], Any] = DynamicCache) -> tuple[int, KVSession]:
         if len(self._sessions) >= self.max_sessions:
             raise ResourceExhausted(
                 f"max_sessions ({self.max_sessions}) sessions are open on this replica; "
                 "retry later or raise --max-sessions"
             )
         self._next += 1
-        session = KVSession(session_id=session_id, vocab_size=vocab_size)
+        session = KVSession(session_id=session_id, vocab_size=vocab_size, new_cache=new_cache)
         self._sessions[self._next] = session
         return self._next, session
 

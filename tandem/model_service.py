@@ -19,8 +19,9 @@ from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import torch
+from transformers import AutoTokenizer, DynamicCache
 
-from tandem import batching, matmul, models, parallel
+from tandem import batching, llama, matmul, models, parallel
 from tandem.config import option
 from tandem.errors import BudgetHeld, InvalidRequest, Unavailable
 from tandem.kv import KVSession, SessionTable
@@ -33,6 +34,8 @@ from tandem.v1 import common_pb2
 log = logging.getLogger(__name__)
 
 BOOT_ID = "/proc/sys/kernel/random/boot_id"
+TRANSFORMERS, LLAMA_CPP = "transformers", "llama.cpp"
+BACKENDS = (models.AUTO, TRANSFORMERS, LLAMA_CPP)
 
 
 def accelerator_ids(model: torch.nn.Module) -> list[str]:
@@ -57,7 +60,13 @@ BUDGET_WAIT_S = 30.0
 class ModelServiceConfig(ServerSecurityConfig):
     """Configuration of a draft or target service (TLS fields: ServerSecurityConfig)."""
 
-    model: str = option("", "model: local path, hub id, or a built-in name")
+    model: str = option("", "model: local path, hub id, or a built-in name; a draft may also "
+                        "name a .gguf file or a directory holding one")
+    backend: str = option("auto", "draft only: what runs the model: transformers, llama.cpp (a "
+                          "GGUF model, through llama-cpp-python), or auto: llama.cpp for a GGUF "
+                          "model (the built-in draft's included) where it is installed, else "
+                          "transformers")
+    gguf_file: str = option("", "the GGUF file to load from a directory holding several")
     host: str = option("127.0.0.1", "address to bind")
     port: int = option(0, "port to bind (0 picks a free one)")
     device: str = option("cpu", "cpu, cuda, cuda:N, or an accelerate device map: auto, balanced, "
@@ -140,6 +149,7 @@ class ModelHost:
         # Why sessions cannot share a pass, where known before the model is served.
         self.batch_refusal: str | None | batching.Probe = batching.PROBE
         self.matmul_path = matmul.DEFAULT
+        self.new_cache: Callable[[], Any] = DynamicCache  # a session's empty cache
         self.quantized = ""  # what --quantize (auto: the timing) chose
         self.metrics = ReplicaMetrics.for_model(config.model, config.max_sessions)
         self.scheduler = batching.StepScheduler(
@@ -191,6 +201,9 @@ class ModelHost:
         return model, dtype, group
 
     def load(self) -> None:
+        if self.config.backend == LLAMA_CPP:
+            self._load_llama()
+            return
         started = time.perf_counter()
         model, dtype, group = self._load_model()
         accelerators = accelerator_ids(model)
@@ -218,7 +231,9 @@ class ModelHost:
                         for t, ms in pass_times.items()],
         )
         self.tokenizer = tokenizer
-        self.scheduler.start(model, self.batch_refusal)
+        refusal = batching.batching_refusal(model) if isinstance(self.batch_refusal, batching.Probe) \
+            else self.batch_refusal
+        self.scheduler.start(batching.TorchRunner(model), refusal)
         self.model = model
         log.info("loaded %s on %s (%s, matmul %s) in %.1fs, %d threads; passes (tokens: ms) "
                  "%s; KV cache: %d bytes per token, budget %s",
@@ -226,6 +241,51 @@ class ModelHost:
                  time.perf_counter() - started, torch.get_num_threads(),
                  ", ".join(f"{t}: {ms:.1f}" for t, ms in pass_times.items()) or "not timed",
                  models.kv_bytes_per_token(model), self.config.kv_budget_tokens or "none")
+
+    def _load_llama(self) -> None:
+        """The model on llama.cpp (tandem.llama): one context, a sequence per session cache."""
+        started = time.perf_counter()
+        cfg = self.config
+        path = models.find_gguf(cfg.model, cfg.gguf_file)
+        assert path is not None, "the CLI checked that the model is a GGUF file"
+        # The context's cells are the KV budget: sessions are evicted before it runs out.
+        budget = cfg.kv_budget_tokens or llama.DEFAULT_CONTEXT_TOKENS
+        engine = llama.LlamaEngine(str(path), context_tokens=budget,
+                                   max_batch_tokens=cfg.max_batch_tokens, threads=cfg.threads,
+                                   gpu_layers=-1 if cfg.device.startswith("cuda") else 0)
+        self.sessions.kv_budget_tokens = budget
+        if cfg.max_sessions > llama.MAX_SEQUENCES // 2:
+            self.sessions.max_sessions = llama.MAX_SEQUENCES // 2
+            log.info("--max-sessions %d: llama.cpp serves %d sequences, half kept for drafting "
+                     "ahead's copies, so at most %d sessions", cfg.max_sessions,
+                     llama.MAX_SEQUENCES, self.sessions.max_sessions)
+        # The tokenizer files beside the GGUF where there are any (the built-in draft's are
+        # in its converted directory), else the GGUF's own vocabulary.
+        tokenizer = models.load_tokenizer(cfg.model) if cfg.model in models.BUILTIN_MODELS \
+            else AutoTokenizer.from_pretrained(path.parent) if (
+                path.parent / "tokenizer_config.json").exists() \
+            else AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        builtin = models.BUILTIN_MODELS.get(cfg.model)
+        eos = {int(t) for t in (tokenizer.eos_token_id,) if t is not None} | set(
+            builtin.eos_token_ids if builtin else ())
+        pass_times = engine.time_passes(matmul.PASS_TOKENS)
+        self.info = common_pb2.ModelInfo(
+            model=cfg.model, vocab_size=engine.vocab_size,
+            tokenizer_fingerprint=models.tokenizer_fingerprint(tokenizer),
+            max_context_tokens=engine.trained_context, eos_token_ids=sorted(eos),
+            dtype=f"gguf {engine.metadata('general.file_type') or '?'}", device=cfg.device,
+            boot_id=boot_id(), cpu_ids=sorted(os.sched_getaffinity(0)),
+            matmul_path=LLAMA_CPP,
+            pass_times=[common_pb2.PassTime(token_count=t, pass_ms=ms) for t, ms in pass_times.items()],
+        )
+        self.tokenizer, self.new_cache = tokenizer, engine.new_cache
+        self.scheduler.start(engine, None)
+        self.model = engine
+        log.info("loaded %s (%s, %s) on llama.cpp in %.1fs, %d threads; passes (tokens: ms) %s; "
+                 "KV cache: %d bytes per token, %d tokens over all sessions", path,
+                 engine.describe(), self.info.dtype, time.perf_counter() - started, engine.threads,
+                 ", ".join(f"{t}: {ms:.1f}" for t, ms in pass_times.items()),
+                 engine.kv_bytes_per_token(), budget)
 
     def follow(self) -> None:
         """A follower rank's life: load its shard, then repeat rank 0's forward calls.
@@ -298,7 +358,8 @@ class ModelHost:
             async for request in requests:
                 if handle is None:
                     assert self.info is not None
-                    handle, session = self.sessions.open(request.session_id, self.info.vocab_size)
+                    handle, session = self.sessions.open(request.session_id, self.info.vocab_size,
+                                                         self.new_cache)
                     self.metrics.session_opened()
                 with self.metrics.step():
                     yield session, request

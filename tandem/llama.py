@@ -1,0 +1,324 @@
+"""A draft on llama.cpp: GGUF models at the speed of the hardware they run on.
+
+One llama.cpp model and context per draft service (through llama-cpp-python's low-level
+bindings of llama.h), one llama.cpp sequence per session cache. The scheduler's worker hands
+passes over as data (`batching.Pass`), as it does to a Hugging Face model: every session's
+tokens of a tick go into one `llama_decode`, each under its own sequence id, and the logits
+rows a pass keeps come back as float32 tensors. Sampling stays Tandem's own
+(tandem.sampling), so q and the drawn token are what the transformers backend would make
+of the same logits; and since the rejection rule needs only the q the draft sampled from,
+the draft's numerics move its acceptance, never the output.
+
+A session's cache (`SeqCache`) is a length kept in Python and a sequence id. llama.cpp's
+memory is touched only on the worker thread: a cut only lowers the length, and before a
+sequence takes new tokens its positions past the length are removed (`llama_memory_seq_rm`);
+a copy (drafting ahead's guesses) and a release are queued and applied by the worker, in
+order, before its next decode. So the event loop never calls into llama.cpp.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import logging
+import os
+import statistics
+import time
+import weakref
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from tandem.batching import Pass, PassOutput
+from tandem.errors import ResourceExhausted
+from tandem.kv import KVSession
+
+log = logging.getLogger(__name__)
+
+FLASH_ATTENTION_OFF = 0  # llama_flash_attn_type: -1 auto, 0 disabled, 1 enabled
+GGML_TYPE_F32 = 0  # ggml.h's enum ggml_type
+# The most sequences one llama.cpp context serves (LLAMA_MAX_SEQ in llama.cpp).
+MAX_SEQUENCES = 256
+# The context's KV cells when the service sets no --kv-budget-tokens: shared by every
+# sequence (a unified cache); the session table evicts before it runs out.
+DEFAULT_CONTEXT_TOKENS = 32768
+
+
+class LlamaError(Exception):
+    """llama.cpp cannot load the model or run a pass."""
+
+
+def available() -> bool:
+    """Whether llama-cpp-python is installed (it is found, not imported)."""
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+# ggml's log levels (ggml.h): llama.cpp's warnings and errors go to Python's logging, its
+# per-load chatter (hundreds of lines of metadata) to DEBUG.
+_WARN, _ERROR, _CONT = 3, 4, 5
+_log_callback: Any = None  # the ctypes callback, kept alive for as long as llama.cpp may call it
+_errors: list[str] | None = None  # while check() runs: llama.cpp's errors, kept for its answer
+
+
+def _forward_log(level: int, text: bytes | None, user_data: Any) -> None:
+    if level == _CONT or not text:
+        return
+    line = text.decode(errors="replace").rstrip()
+    if _errors is not None:
+        if level == _ERROR:
+            _errors.append(line)
+        return
+    log.log(logging.ERROR if level == _ERROR else logging.WARNING if level == _WARN
+            else logging.DEBUG, "llama.cpp: %s", line)
+
+
+def _bindings() -> Any:
+    global _log_callback
+    try:
+        import llama_cpp
+    except ImportError as exc:
+        raise LlamaError("the llama.cpp backend needs llama-cpp-python: make install builds it "
+                         "(or pip install llama-cpp-python)") from exc
+    if _log_callback is None:
+        _log_callback = llama_cpp.llama_log_callback(_forward_log)
+        llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
+    return llama_cpp
+
+
+def check(path: str) -> None:
+    """Refuse, in one line, a file llama.cpp cannot load: its header, vocabulary and
+    architecture are read and every tensor's place in the file checked, no weight loaded."""
+    global _errors
+    lib = _bindings()
+    lib.llama_backend_init()
+    params = lib.llama_model_default_params()
+    params.vocab_only = True
+    _errors = []
+    try:
+        model = lib.llama_model_load_from_file(path.encode(), params)
+        errors = _errors
+    finally:
+        _errors = None
+    if not model:
+        why = next((e for e in errors if "error loading model:" in e), errors[-1] if errors else "")
+        raise LlamaError(f"llama.cpp cannot load {path}" + (
+            f": {why.split('error loading model:', 1)[-1].strip()}" if why else ""))
+    lib.llama_model_free(model)
+
+
+@dataclass
+class _Slot:
+    """A sequence id, once the worker has given the cache one."""
+
+    seq: int | None = None
+
+
+class SeqCache:
+    """One session's KV cache in the shared llama.cpp context: get_seq_length() and crop(),
+    as a DynamicCache has, and fork(length) for a copy of a prefix."""
+
+    def __init__(self, engine: LlamaEngine, source: tuple[SeqCache, int] | None = None) -> None:
+        self.engine = engine
+        self.length = source[1] if source else 0
+        self.slot = _Slot()
+        # A copy's tokens come from its source, at the worker's next drain.
+        self.source = source
+        weakref.finalize(self, engine.release, self.slot)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.length
+
+    def crop(self, max_length: int) -> None:
+        """As DynamicCache.crop in transformers 5.x: remove -max_length tokens from the end."""
+        assert max_length < 0, "crop takes the (negative) number of tokens to remove"
+        self.length = max(0, self.length + max_length)
+
+    def fork(self, length: int) -> SeqCache:
+        copy = SeqCache(self.engine, (self, min(length, self.length)))
+        self.engine.ops.append(copy)
+        return copy
+
+
+class LlamaEngine:
+    """The llama.cpp model and context of a draft service, and the runner its scheduler
+    drives (batching.Runner)."""
+
+    def __init__(self, path: str, *, context_tokens: int, max_batch_tokens: int, threads: int,
+                 gpu_layers: int = 0, float32_attention: bool = False) -> None:
+        lib = self.lib = _bindings()
+        lib.llama_backend_init()
+        params = lib.llama_model_default_params()
+        params.n_gpu_layers = gpu_layers
+        self.model = lib.llama_model_load_from_file(path.encode(), params)
+        if not self.model:
+            raise LlamaError(f"llama.cpp cannot load {path} (not a GGUF model it knows?)")
+        ctx_params = lib.llama_context_default_params()
+        # A decode may keep one row per sequence, so it holds at least as many tokens.
+        self.batch_tokens = max(max_batch_tokens, MAX_SEQUENCES)
+        # The cells hold every session's cache (the service's budget bounds them) and one
+        # decode's new tokens on top; llama.cpp also caps a decode at the context's size.
+        context_tokens += self.batch_tokens
+        ctx_params.n_ctx = context_tokens
+        ctx_params.n_batch = ctx_params.n_ubatch = self.batch_tokens
+        ctx_params.n_seq_max = MAX_SEQUENCES
+        ctx_params.kv_unified = True  # one pool of cells for every sequence: copies share cells
+        ctx_params.no_perf = True
+        if float32_attention:
+            # llama.cpp's default is float16 keys and values, and its CPU flash attention
+            # rounds through float16 too (about 2e-4 relative): both off, logits match a
+            # float32 forward to float32 rounding.
+            ctx_params.type_k = ctx_params.type_v = GGML_TYPE_F32
+            ctx_params.flash_attn_type = FLASH_ATTENTION_OFF
+        # 0: every CPU the process may run on (llama.cpp's own default is a fixed 4).
+        ctx_params.n_threads = ctx_params.n_threads_batch = threads or len(os.sched_getaffinity(0))
+        self.ctx = lib.llama_init_from_model(self.model, ctx_params)
+        if not self.ctx:
+            raise LlamaError(f"llama.cpp cannot make a context of {context_tokens} tokens for {path}")
+        self.memory = lib.llama_get_memory(self.ctx)
+        self.vocab_size = int(lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self.model)))
+        self.context_tokens = context_tokens
+        self.threads = int(ctx_params.n_threads)
+        self.cache_bytes = 4 if float32_attention else 2
+        # Sequence ids free to take; ids of released caches come back once they are cleared.
+        self.free = list(range(MAX_SEQUENCES - 1, -1, -1))
+        # Copies (a SeqCache with a source) and releases (a _Slot), applied by the worker.
+        self.ops: deque[SeqCache | _Slot] = deque()
+
+    # --- what the service asks of the model --------------------------------------------
+
+    def new_cache(self) -> SeqCache:
+        return SeqCache(self)
+
+    def metadata(self, key: str) -> str:
+        buf = ctypes.create_string_buffer(256)
+        size = self.lib.llama_model_meta_val_str(self.model, key.encode(), buf, len(buf))
+        return buf.value.decode(errors="replace") if size >= 0 else ""
+
+    def describe(self) -> str:
+        buf = ctypes.create_string_buffer(256)
+        self.lib.llama_model_desc(self.model, buf, len(buf))
+        return buf.value.decode(errors="replace")
+
+    @property
+    def trained_context(self) -> int:
+        return int(self.lib.llama_model_n_ctx_train(self.model))
+
+    def kv_bytes_per_token(self) -> int:
+        n_embd = int(self.lib.llama_model_n_embd(self.model))
+        heads = int(self.lib.llama_model_n_head(self.model))
+        kv_heads = int(self.lib.llama_model_n_head_kv(self.model))
+        layers = int(self.lib.llama_model_n_layer(self.model))
+        return 2 * layers * kv_heads * (n_embd // heads) * self.cache_bytes  # keys and values
+
+    # --- the worker's side (batching.Runner) --------------------------------------------
+
+    def release(self, slot: _Slot) -> None:
+        """A cache was dropped (any thread): its sequence is cleared at the next drain."""
+        if slot.seq is not None:
+            self.ops.append(slot)
+
+    def _drain(self) -> None:
+        while self.ops:
+            op = self.ops.popleft()
+            if isinstance(op, _Slot):
+                assert op.seq is not None
+                self.lib.llama_memory_seq_rm(self.memory, op.seq, 0, -1)
+                self.free.append(op.seq)
+                continue
+            assert op.source is not None
+            (source, length), op.source = op.source, None
+            if not length or source.slot.seq is None or not self.free:
+                # Nothing to copy, or no sequence free: the copy starts empty, and its next
+                # pass feeds it the whole history (its held tokens are then none).
+                op.length = 0
+                continue
+            self.lib.llama_memory_seq_cp(self.memory, source.slot.seq, self._seq(op), 0, length)
+
+    def _seq(self, cache: SeqCache) -> int:
+        if cache.slot.seq is None:
+            if not self.free:
+                raise ResourceExhausted(f"every one of llama.cpp's {MAX_SEQUENCES} sequences is "
+                                        "in use; lower --max-sessions")
+            cache.slot.seq = self.free.pop()
+        return cache.slot.seq
+
+    def single(self, p: Pass) -> PassOutput:
+        return self.batched([p], ())[0]
+
+    def batched(self, passes: list[Pass], buckets: tuple[int, ...]) -> list[PassOutput]:
+        self._drain()
+        entries: list[tuple[int, int, tuple[int, ...], int]] = []  # seq, start, tokens, kept
+        for p in passes:
+            if p.segment.token_ids or p.with_hidden:
+                raise LlamaError("the llama.cpp draft scores no token trees and keeps no hidden states")
+            p.session.extend(p.cache_position, p.token_ids)
+            cache: SeqCache = p.session.cache
+            seq = self._seq(cache)
+            self.lib.llama_memory_seq_rm(self.memory, seq, cache.length, -1)
+            entries.append((seq, cache.length, p.token_ids, p.logits_to_keep))
+        rows = self._decode(entries)
+        for p in passes:
+            p.session.cache.length += len(p.token_ids)
+        return [PassOutput(r, None) for r in rows]
+
+    def _decode(self, entries: list[tuple[int, int, tuple[int, ...], int]]) -> list[torch.Tensor]:
+        """Decode the entries' tokens in batches of at most `batch_tokens`; each entry's last
+        `kept` rows of logits, [kept, vocab] float32."""
+        flat = [(seq, start + i, token, i >= len(tokens) - kept, e)
+                for e, (seq, start, tokens, kept) in enumerate(entries)
+                for i, token in enumerate(tokens)]
+        kept_rows: list[list[torch.Tensor]] = [[] for _ in entries]
+        for begin in range(0, len(flat), self.batch_tokens):
+            chunk = flat[begin:begin + self.batch_tokens]
+            batch = self.lib.llama_batch_init(len(chunk), 0, 1)
+            try:
+                for i, (seq, pos, token, wanted, _) in enumerate(chunk):
+                    batch.token[i], batch.pos[i] = token, pos
+                    batch.n_seq_id[i], batch.seq_id[i][0] = 1, seq
+                    batch.logits[i] = wanted
+                batch.n_tokens = len(chunk)
+                status = self.lib.llama_decode(self.ctx, batch)
+                if status != 0:
+                    raise LlamaError(f"llama_decode failed with status {status} (the context holds "
+                                     f"{self.context_tokens} tokens over every sequence)")
+                for i, (_, _, _, wanted, e) in enumerate(chunk):
+                    if wanted:
+                        pointer = self.lib.llama_get_logits_ith(self.ctx, i)
+                        row = np.ctypeslib.as_array(pointer, shape=(self.vocab_size,))
+                        kept_rows[e].append(torch.from_numpy(row.copy()))
+            finally:
+                self.lib.llama_batch_free(batch)
+        return [torch.stack(rows) for rows in kept_rows]
+
+    def time_passes(self, tokens: tuple[int, ...], context: int = 64, repeats: int = 3
+                    ) -> dict[int, float]:
+        """v(T): the median ms of one decode of T tokens after `context` cached ones, every
+        row's logits kept, as batching's passes run (call before serving)."""
+        generator = torch.Generator().manual_seed(0)
+        history = torch.randint(0, self.vocab_size, (context + max(tokens),),
+                                generator=generator).tolist()
+        session = KVSession("timing", self.vocab_size, new_cache=self.new_cache)
+        self.single(Pass(session, 0, tuple(history[:context])))
+        out = {}
+        for t in tokens:
+            samples = []
+            for i in range(repeats + 1):  # the first is a warm-up
+                started = time.perf_counter()
+                self.single(Pass(session, context, tuple(history[context:context + t]), t))
+                if i:
+                    samples.append((time.perf_counter() - started) * 1000.0)
+            out[t] = statistics.median(samples)
+        return out
+
+    def cut(self, session: KVSession, length: int) -> None:
+        session.cache.length = min(session.cache.length, length)
+
+    def stoppable(self) -> list[torch.nn.Module]:
+        return []
+
+    def close(self) -> None:
+        self.lib.llama_free(self.ctx)
+        self.lib.llama_model_free(self.model)
