@@ -100,11 +100,17 @@ def test_hidden_states_come_back_for_the_sessions_that_ask() -> None:
     assert torch.allclose(out_a.hidden, alone.hidden, atol=TOLERANCE)
 
 
+def start(scheduler: StepScheduler, model: torch.nn.Module) -> None:
+    """Start the scheduler on the model's forward, as the model service does: the start-up
+    probe decides whether its sessions may share a pass."""
+    scheduler.start(batching.TorchRunner(model), batching.batching_refusal(model))
+
+
 def test_the_scheduler_batches_ready_passes_and_answers_each_its_own() -> None:
     model = llama()
     seen: list[batching.BatchStats] = []
     scheduler = StepScheduler(max_sessions=8, max_tokens=64, on_batch=seen.append)
-    scheduler.start(model)
+    start(scheduler, model)
 
     async def everyone() -> list[list[int]]:
         return list(await asyncio.gather(*(greedy(scheduler, [3 + i, 4, 5 + i], 12) for i in range(6))))
@@ -132,7 +138,7 @@ def test_the_scheduler_keeps_its_limits() -> None:
     model = llama()
     seen: list[batching.BatchStats] = []
     scheduler = StepScheduler(max_sessions=2, max_tokens=6, on_batch=seen.append)
-    scheduler.start(model)
+    start(scheduler, model)
 
     async def everyone() -> None:
         sessions = [KVSession(f"s{i}", VOCAB) for i in range(5)]
@@ -148,7 +154,7 @@ def test_the_scheduler_keeps_its_limits() -> None:
 def test_a_failed_pass_fails_only_its_steps_and_the_scheduler_goes_on() -> None:
     model = llama()
     scheduler = StepScheduler(max_sessions=4, max_tokens=64)
-    scheduler.start(model)
+    start(scheduler, model)
 
     async def run() -> None:
         bad = KVSession("bad", VOCAB)
@@ -215,7 +221,7 @@ def test_a_model_that_ignores_the_hand_built_mask_is_served_one_session_at_a_tim
     broken = IgnoresMasks(llama())
     assert batching.batching_refusal(broken) is not None
     scheduler = StepScheduler(max_sessions=8, max_tokens=64)
-    scheduler.start(broken)
+    start(scheduler, broken)
     assert scheduler.max_sessions == 1
 
 
@@ -223,7 +229,7 @@ def test_a_shared_pass_that_fails_costs_only_the_bad_step() -> None:
     """Found in review: one session's failure in a shared pass failed every session in it."""
     model = llama()
     scheduler = StepScheduler(max_sessions=8, max_tokens=64)
-    scheduler.start(model)
+    start(scheduler, model)
     vocab_rows = model.get_input_embeddings().weight.shape[0]
 
     async def run() -> None:
@@ -250,7 +256,7 @@ def test_two_sessions_do_not_fall_into_lockstep() -> None:
     seen: list[batching.BatchStats] = []
     scheduler = StepScheduler(max_sessions=8, max_tokens=64, on_batch=seen.append)
     scheduler.batch_wait_share, scheduler.max_batch_wait_s = 20.0, 0.05
-    scheduler.start(model)
+    start(scheduler, model)
 
     async def decode(session: KVSession, delay: float) -> None:
         await asyncio.sleep(delay)
@@ -283,7 +289,7 @@ def test_cohorts_merge_when_a_round_trip_outlasts_the_old_fixed_wait() -> None:
     model = llama()
     seen: list[batching.BatchStats] = []
     scheduler = StepScheduler(max_sessions=8, max_tokens=64, on_batch=seen.append)
-    scheduler.start(model)
+    start(scheduler, model)
 
     def slow(module: torch.nn.Module, args: object) -> None:
         threading.Event().wait(0.2)  # a pass as slow, next to its round trips, as on a CPU
@@ -339,7 +345,7 @@ def test_a_pass_nobody_waits_for_stops_at_the_next_layer(sessions: int) -> None:
     and the next pass is exact."""
     model = LlamaForCausalLM(LlamaConfig(**{**SMALL, "num_hidden_layers": 4})).eval()
     scheduler = StepScheduler(max_sessions=8, max_tokens=64)
-    scheduler.start(model)
+    start(scheduler, model)
     entered, release = threading.Event(), threading.Event()
     ran: list[int] = []
     for i, layer in enumerate(model.model.layers):
@@ -379,7 +385,7 @@ def test_a_pass_nobody_waits_for_stops_at_the_next_layer(sessions: int) -> None:
 def test_a_pass_someone_still_waits_for_runs_to_the_end() -> None:
     model = llama()
     scheduler = StepScheduler(max_sessions=8, max_tokens=64)
-    scheduler.start(model)
+    start(scheduler, model)
 
     async def run() -> None:
         a, b = KVSession("a", VOCAB), KVSession("b", VOCAB)
