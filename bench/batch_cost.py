@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import statistics
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -27,27 +25,6 @@ from tandem import batching, llama, matmul, models
 from tandem.kv import KVSession
 
 ENGINES = ("transformers", "transformers-int8", "llama.cpp")
-
-
-def measure(runner: batching.Runner, new_session: Callable[[str], KVSession], sessions: int,
-            tokens: int, context: int, repeats: int) -> float:
-    generator = torch.Generator().manual_seed(0)
-    held = [new_session(f"s{i}") for i in range(sessions)]
-    high = min(1000, held[0].vocab_size)
-    for s in held:
-        runner.single(batching.Pass(s, 0, tuple(torch.randint(2, high, (context,),
-                                                              generator=generator).tolist())))
-    times = []
-    for _ in range(repeats + 1):  # the first is a warm-up
-        passes = [batching.Pass(s, context, tuple(torch.randint(2, high, (tokens,), generator=generator).tolist()),
-                                logits_to_keep=tokens) for s in held]
-        started = time.perf_counter()
-        if sessions == 1:
-            runner.single(passes[0])
-        else:
-            runner.batched(passes, ())
-        times.append((time.perf_counter() - started) * 1000)
-    return statistics.median(times[1:])
 
 
 def load(engine: str, args: argparse.Namespace) -> tuple[batching.Runner, Callable[[str], KVSession], str]:
@@ -99,12 +76,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     print("|---|---|---|---|---|---|---|")
     for engine in engines:
         runner, new_session, what = load(engine, args)
-        base = None
-        for tokens in (int(t) for t in args.tokens.split(",")):
+        token_counts = [int(t) for t in args.tokens.split(",")]
+        times = {n: batching.pass_times(runner, new_session, token_counts, n, args.context, args.repeats)
+                 for n in args.sessions_list}
+        base = times[args.sessions_list[0]][token_counts[0]]
+        for tokens in token_counts:
             for sessions in args.sessions_list:
-                ms = measure(runner, new_session, sessions, tokens, args.context, args.repeats)
-                base = base or ms
-                total = sessions * tokens
+                ms, total = times[sessions][tokens], sessions * tokens
                 print(f"| {what} | {sessions} | {tokens} | {total} | {ms:.0f} | {ms / base:.2f}x | "
                       f"{ms / total:.1f} |", flush=True)
         if isinstance(runner, llama.LlamaEngine):

@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -289,6 +290,36 @@ class TorchRunner:
 
     def stoppable(self) -> list[torch.nn.Module]:
         return decoder_layers(self.model)
+
+
+def pass_times(runner: Runner, new_session: Callable[[str], KVSession], tokens: Sequence[int],
+               sessions: int = 1, context: int = 64, repeats: int = 3) -> dict[int, float]:
+    """v(T) on `runner`: for each T in `tokens`, the median ms of one pass in which each of
+    `sessions` sessions, holding `context` cached tokens, adds T new ones with every row's
+    logits kept (a warm-up pass first)."""
+    generator = torch.Generator().manual_seed(0)
+    held = [new_session(f"timing{i}") for i in range(sessions)]
+    high = min(1000, held[0].vocab_size)
+
+    def ids(n: int) -> tuple[int, ...]:
+        return tuple(torch.randint(2, high, (n,), generator=generator).tolist())
+
+    for s in held:
+        runner.single(Pass(s, 0, ids(context)))
+    out = {}
+    for t in tokens:
+        samples = []
+        for i in range(repeats + 1):
+            passes = [Pass(s, context, ids(t), logits_to_keep=t) for s in held]
+            started = time.perf_counter()
+            if sessions == 1:
+                runner.single(passes[0])
+            else:
+                runner.batched(passes, ())
+            if i:
+                samples.append((time.perf_counter() - started) * 1000.0)
+        out[t] = statistics.median(samples)
+    return out
 
 
 class PassAborted(Exception):

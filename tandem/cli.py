@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import json
 import logging
 import math
@@ -290,8 +289,9 @@ def _up(args: argparse.Namespace) -> None:
     logs = Path(args.log_dir).expanduser()
     logs.mkdir(parents=True, exist_ok=True)
     # What the draft service's --backend auto picks: llama.cpp for a GGUF model.
-    on_llama = importlib.util.find_spec("llama_cpp") is not None \
-        and models.find_gguf(args.draft) is not None
+    from tandem import llama
+
+    on_llama = llama.available() and models.find_gguf(args.draft) is not None
     print(f"starting draft {args.draft} "
           f"({'llama.cpp, its GGUF file' if on_llama else draft_dtype}"
           f"{', quantize ' + quantize if quantize and not on_llama else ''}) and target {args.target} "

@@ -22,8 +22,6 @@ import ctypes
 import importlib.util
 import logging
 import os
-import statistics
-import time
 import weakref
 from collections import deque
 from dataclasses import dataclass
@@ -32,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tandem.batching import Pass, PassOutput
+from tandem.batching import Pass, PassOutput, pass_times
 from tandem.errors import ResourceExhausted
 from tandem.kv import KVSession
 
@@ -293,25 +291,10 @@ class LlamaEngine:
                 self.lib.llama_batch_free(batch)
         return [torch.stack(rows) for rows in kept_rows]
 
-    def time_passes(self, tokens: tuple[int, ...], context: int = 64, repeats: int = 3
-                    ) -> dict[int, float]:
-        """v(T): the median ms of one decode of T tokens after `context` cached ones, every
-        row's logits kept, as batching's passes run (call before serving)."""
-        generator = torch.Generator().manual_seed(0)
-        history = torch.randint(0, self.vocab_size, (context + max(tokens),),
-                                generator=generator).tolist()
-        session = KVSession("timing", self.vocab_size, new_cache=self.new_cache)
-        self.single(Pass(session, 0, tuple(history[:context])))
-        out = {}
-        for t in tokens:
-            samples = []
-            for i in range(repeats + 1):  # the first is a warm-up
-                started = time.perf_counter()
-                self.single(Pass(session, context, tuple(history[context:context + t]), t))
-                if i:
-                    samples.append((time.perf_counter() - started) * 1000.0)
-            out[t] = statistics.median(samples)
-        return out
+    def time_passes(self, tokens: tuple[int, ...]) -> dict[int, float]:
+        """v(T) of one sequence's decodes (batching.pass_times; call before serving)."""
+        return pass_times(self, lambda name: KVSession(name, self.vocab_size, new_cache=self.new_cache),
+                          tokens)
 
     def cut(self, session: KVSession, length: int) -> None:
         session.cache.length = min(session.cache.length, length)
