@@ -8,7 +8,7 @@ The same greedy requests (HumanEval prompts, EOS ignored, a fixed number of toke
 - batched k=0: the target alone, every ready session in one pass;
 - batched speculation: the draft model under the adaptive policy, both services batching.
 - batched speculation per-step (only when named in --modes): the same with the per-step
-  cost model alone (--fleet off);
+  cost model alone (a --speculation-by-batch table that lets every load draft up to k_max);
 - batched speculation no-overlap (likewise): the same, taking turns (--overlap off);
 - batched k=0 twin (likewise): a second batched k=0 stack, whose ratio to the first is the
   noise floor between two stacks doing the same work.
@@ -52,8 +52,8 @@ MODES = {  # name: (services' flags, draft model used, k per request: None = the
     "per-session k=0": (["--max-batch-sessions", "1"], False, 0, []),
     "batched k=0": ([], False, 0, []),
     "batched speculation": ([], True, None, []),
-    # The same with the per-step cost model alone (no fleet-level choice under load).
-    "batched speculation per-step": ([], True, None, ["--fleet", "off"]),
+    # The same with the per-step cost model alone (no load rule: every load may draft k_max).
+    "batched speculation per-step": ([], True, None, ["--speculation-by-batch", "1-:16"]),
     # The same without drafting ahead: on shared cores the guesses take the target's cycles.
     "batched speculation no-overlap": ([], True, None, ["--overlap", "off"]),
     # A second batched k=0 stack (an A/A control): its ratio to batched k=0 is the noise floor

@@ -37,15 +37,10 @@ class OrchestratorConfig(ServerSecurityConfig):
                                      "and costs (falls to 0 when speculation does not pay); fixed: "
                                      "always k. A request that sets num_speculative_tokens gets fixed k")
     max_speculative_tokens: int = option(16, "largest k a request may ask for")
-    fleet: str = option("on", "adaptive policy under concurrent load (2+ requests): charge each "
-                        "committed token the hardware time it took, with and without drafting, "
-                        "and decode without drafting while that is cheaper; off: the per-step "
-                        "cost model alone")
-    fleet_keep_s: float = option(60.0, "seconds a regime's measured cost per token stands before "
-                                 "the fleet measures it again")
-    fleet_explore: float = option(0.03, "the most of the hardware time at a load that the fleet "
-                                  "spends measuring drafting there (a round of measuring waits "
-                                  "until this share covers it)")
+    speculation_by_batch: str = option("", "adaptive policy: the most k by the sessions sharing "
+                                       "the target's pass, e.g. \"1-4:4,5-16:2,17-:0\" (empty, or "
+                                       "sessions it leaves out: derived from the target's measured "
+                                       "pass times)")
     overlap: str = option("auto", "on: the draft drafts the next block while the target verifies "
                           "this one, guessing its outcomes (exact either way); off: draft and "
                           "target take turns; auto: on unless a draft replica shares a target "

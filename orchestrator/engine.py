@@ -35,7 +35,7 @@ from orchestrator.domain import (
     check_proposer,
     shares_compute,
 )
-from orchestrator.policy import POLICIES, CostModel, Deployment, Fleet
+from orchestrator.policy import POLICIES, BatchTable, CostModel, Deployment
 from orchestrator.proposers import DraftModelProposer, PromptLookupProposer, Proposer
 from orchestrator.remote import (
     DRAFT_STUB,
@@ -107,9 +107,6 @@ class Engine:
         self.targets: ReplicaPool | None = None
         if config.overlap not in OVERLAP_SETTINGS:
             raise ValueError(f"--overlap must be one of {', '.join(OVERLAP_SETTINGS)}, got {config.overlap!r}")
-        if config.fleet not in ("on", "off") or config.fleet_keep_s <= 0 or not 0 <= config.fleet_explore <= 1:
-            raise ValueError(f"--fleet must be on or off, --fleet-keep-s > 0 and --fleet-explore in [0, 1], "
-                             f"got {config.fleet!r}, {config.fleet_keep_s} and {config.fleet_explore}")
         if config.speculation_policy not in POLICIES:
             raise ValueError(f"--speculation-policy must be one of {POLICIES}")
         if config.max_speculative_tokens > MAX_BLOCK_TOKENS:
@@ -131,9 +128,9 @@ class Engine:
                              "--draft-service-name)")
         # Acceptance and draft cost differ per proposer; verify costs are the target's, shared.
         # overlap, auto: on until a draft replica turns out to share a target replica's hardware.
-        self.deployment = Deployment(overlap=config.overlap != "off")
-        target_costs = CostModel(fleet=Fleet(self.deployment, enabled=config.fleet == "on",
-                                             keep_s=config.fleet_keep_s, explore=config.fleet_explore))
+        self.deployment = Deployment(overlap=config.overlap != "off", by_batch=BatchTable.parse(
+            config.speculation_by_batch, config.max_speculative_tokens))
+        target_costs = CostModel(deployment=self.deployment)
         self.costs: dict[str, CostModel] = collections.defaultdict(target_costs.for_proposer)
         self.default_proposer = config.proposer or ("draft-model" if self.has_drafts else "none")
         self.admission = Admission(config.max_concurrent_requests, config.max_queued_requests)
@@ -250,13 +247,13 @@ class Engine:
             self._check_placement(info, [self.target_info], address)
 
     def _check_placement(self, draft: ModelInfo, targets: Sequence[ModelInfo], address: str) -> None:
-        """A draft on a target's hardware: the fleet charges drafting the draft's time too, and
+        """A draft on a target's hardware: the load rule charges drafting the draft's time too, and
         --overlap auto takes turns, since drafting ahead would take the verify's cycles (on
         this project's 2-core CPU, one client: 4.56 tokens/s taking turns against 3.27
         drafting ahead; docs/BENCHMARKS.md)."""
         if not any(shares_compute(draft, target) for target in targets):
             return
-        self.deployment.draft_shares_target = True  # the fleet charges drafting its draft time
+        self.deployment.draft_shares_target = True
         if self.config.overlap == "auto" and self.deployment.overlap:
             self.deployment.overlap = False
             log.info("--overlap auto: draft %s shares the target's hardware (%s), so draft and "

@@ -1,46 +1,39 @@
 """How many tokens to draft per step (k): fixed, or adaptive from measured costs.
 
-Speculation pays only when the tokens a step yields outweigh what it costs. With
-acceptance rate alpha, a step that drafts k tokens yields, in expectation (Leviathan
-et al. 2023),
+The adaptive policy in three sentences:
+1. Each step drafts the k in [0, k_max] that maximises the tokens it yields per millisecond,
+   E(k) / (k t_draft + v(B(k + 1)) + overhead), from this request's acceptance and the costs
+   measured on this deployment (v(T): a target pass of T tokens, B: sessions per pass).
+2. While B >= 2 sessions share the target's pass, k is at most the largest k that still
+   raises the hardware's yield B E(k) / (v(B(k + 1)) + k t_draft) (t_draft only where the
+   draft runs on the target's hardware), or what `--speculation-by-batch` says for B.
+3. A request that sets num_speculative_tokens, or `--speculation-policy fixed`, gets its k.
 
-    E(k) = (1 - alpha^(k+1)) / (1 - alpha)
+With acceptance rate alpha a step of k drafted tokens yields, in expectation (Leviathan et
+al. 2023), E(k) = (1 - alpha^(k+1)) / (1 - alpha). alpha is the request's own acceptance so
+far, shrunk towards the deployment's running average. A draft that sat out earlier steps
+first catches up on the history it missed (lag tokens at t_fed each), once, so that cost is
+spread over the drafting steps left (remaining / E(k) of them). A step that queues behind Q
+other sessions at the replica waits through Q / B more passes, which grow with k too.
 
-tokens and costs k * t_draft + t_verify(k + 1) + t_overhead, plus, where the draft sat
-out earlier steps, its catch-up on the history it missed (lag tokens at t_fed each), once,
-so spread over the drafting steps left: remaining / E(k) of them. The adaptive policy picks
-the k in [0, k_max] that maximises E(k) / cost(k), with alpha from the request's own
-acceptance so far (shrunk towards the deployment's running average) and the costs
-measured on this deployment's replicas.
-
-The target's cost is a curve v(T): the time of one forward pass over T tokens, which
-replicas report with every step (the pass that served it, its sessions and tokens, since
-passes are shared by every session that is ready). On a GPU v is nearly flat up to
-hundreds of tokens (memory-bound); on a CPU it is not; under load every pass holds N
-sessions. So a step of k drafted tokens is costed as one pass of N * (k + 1) tokens, the
-fleet's view: if every session in the pass drafts k, that is what the pass holds; and a
-step that queues behind Q others waits through Q / N more such passes. While v
-is flat, speculation is nearly free and k stays high; as load makes the target
-compute-bound (v grows with T), the extra tokens crowd out other sessions' real tokens
-and k falls towards 0; it rises again as load drops. A size not yet measured is assumed
-to cost what the nearest smaller measured pass does (optimism), so it gets tried and then
-measured.
+Replicas report with every step the pass that served it (its sessions, tokens and time), so
+v(T) is the curve the hardware shows now: nearly flat up to hundreds of tokens on a GPU
+(memory-bound), rising on a CPU. A size not yet measured is assumed to cost what the nearest
+smaller measured pass does (optimism), so it gets tried and then measured; replicas also time
+a few sizes at start-up (`seed_verify`).
 
 Whatever k is chosen, the output is exact: the policy changes speed, never tokens.
 """
 
 from __future__ import annotations
 
-import logging
-import time
-from collections.abc import Callable, Sequence
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from orchestrator.domain import PassLoad
 
 POLICIES = ("adaptive", "fixed")
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -98,157 +91,45 @@ class Deployment:
     active: int = 0
     draft_shares_target: bool = False
     overlap: bool = True  # drafts draft ahead (--overlap, as the orchestrator resolved it)
+    by_batch: BatchTable | None = None  # --speculation-by-batch
 
 
-def load_bucket(active: int) -> int:
-    """Loads within a factor of two share their measurements: 2-3 -> 2, 4-7 -> 4, ..."""
-    return 1 << (max(active, 1).bit_length() - 1)
+@dataclass(frozen=True)
+class BatchTable:
+    """`--speculation-by-batch`: the most k by the sessions sharing the target's pass, as
+    ranges of sessions, e.g. "1-4:4,5-16:2,17-:0". Sessions a table leaves out get the
+    derived rule (`CostModel.load_limit`)."""
 
+    rows: tuple[tuple[int, int | None, int], ...]  # (first, last or None: no end, k)
 
-@dataclass
-class Fleet:
-    """Whether drafting pays for the whole fleet, by what each committed token costs the hardware.
+    @classmethod
+    def parse(cls, text: str, max_k: int) -> BatchTable | None:
+        """The table `text` describes ("" : none); ValueError naming the bad entry."""
+        rows: list[tuple[int, int | None, int]] = []
+        for entry in (e.strip() for e in text.split(",") if e.strip()):
+            match = re.fullmatch(r"(\d+)(?:-(\d*))?:(\d+)", entry)
+            if match is None:
+                raise ValueError(f"--speculation-by-batch entry {entry!r} is not FIRST-LAST:K, "
+                                 f"FIRST-:K or N:K (e.g. \"1-4:4,5-16:2,17-:0\")")
+            first, last_text, k = int(match[1]), match[2], int(match[3])
+            last = first if last_text is None else (int(last_text) if last_text else None)
+            if first < 1 or (last is not None and last < first):
+                raise ValueError(f"--speculation-by-batch entry {entry!r}: sessions run from 1 up")
+            if rows and (rows[-1][1] is None or first <= rows[-1][1]):
+                raise ValueError(f"--speculation-by-batch entry {entry!r} overlaps or precedes the "
+                                 f"one before it: give the ranges in increasing order")
+            if k > max_k:
+                raise ValueError(f"--speculation-by-batch entry {entry!r}: k {k} exceeds "
+                                 f"--max-speculative-tokens {max_k}")
+            rows.append((first, last, k))
+        return cls(tuple(rows)) if rows else None
 
-    Under concurrent load the per-step cost model misses what sessions do to each other: a
-    session at the draft is not in the target's next pass, so speculation thins the passes it
-    is costed against, and a draft on the target's hardware takes the target's cycles. While
-    two or more requests run, the hardware is busy, and what the fleet yields is tokens per
-    unit of it. So each decode step is charged the hardware time it used: its share of the
-    target pass that served it (the pass's time x the step's tokens / the pass's tokens), plus
-    the draft's compute for it where the draft shares the target's hardware. Per load (within
-    a factor of two) and regime (k = 0, or drafting), the ms per committed token is a running
-    average. Steps decode plain (k = 0) while that is the cheaper; a plain token not measured
-    at this load is costed v(N) / N (N requests in one pass; v: the target's measured passes,
-    nearest smaller size). With one request the per-step policy alone decides. Output never
-    changes. A change of regime at a load is logged.
-
-    Measuring drafting is exploration, paid for in hardware time: `min_steps` steps draft
-    while the rest decode plain, and the first of them catches the draft up on its whole
-    history. So measuring spends at most `explore` of the hardware time charged at that load:
-    a round of measuring starts only once that share covers it (what a measuring step costs is
-    learnt from the first ones, which are free). Drafting is not measured at a load where plain
-    already won at a lighter one (more load only favours it more). A drafting figure older than
-    `keep_s` is measured again when the share allows; until then it still decides.
-
-    NOTE: a draft pass shared by several sessions is charged in full to each (the draft's
-    reply does not say how many shared it), so drafting is overcharged where draft passes
-    batch; and with --overlap on beside the target, drafting ahead is not charged at all.
-    """
-
-    deployment: Deployment = field(default_factory=Deployment)
-    enabled: bool = True
-    keep_s: float = 60.0
-    explore: float = 0.03  # the most of a load's hardware time spent measuring drafting there
-    min_steps: int = 2  # drafting steps measured at a load before plain may win there
-    clock: Callable[[], float] = time.monotonic
-    # (load bucket, plain) -> (ms per committed token, steps measured, when last measured)
-    cost_per_token: dict[tuple[int, bool], tuple[Ema, int, float]] = field(default_factory=dict)
-    # Drafting steps let through at a load whose drafting is not measured yet: min_steps of
-    # them measure it; the rest decode plain meanwhile (32 requests starting at once would
-    # otherwise all draft, each draft catching up on its prompt, before a figure is in).
-    measuring: dict[int, tuple[int, float]] = field(default_factory=dict)  # bucket -> (steps, since)
-    # bucket -> [hardware ms charged there, of which measuring drafting]
-    spent_ms: dict[int, list[float]] = field(default_factory=dict)
-    measuring_step_ms: Ema = field(default_factory=lambda: Ema(weight=0.3))  # what one measuring step cost
-    _logged: dict[int, bool] = field(default_factory=dict)  # the last decision logged, by load
-
-    def charge(self, k: int, committed: int, draft_ms: float, target_ms: float) -> None:
-        """A decode step of k drafted tokens committed `committed`, costing target_ms of the
-        target's pass and draft_ms at the draft."""
-        if self.deployment.active < 2 or committed < 1:
-            return
-        bucket = load_bucket(self.deployment.active)
-        key = (bucket, k == 0)
-        ema, steps, _ = self.cost_per_token.get(key) or (Ema(weight=0.2), 0, 0.0)
-        spent = target_ms + (draft_ms if k and self.deployment.draft_shares_target else 0.0)
-        ema.add(spent / committed)
-        self.cost_per_token[key] = (ema, steps + 1, self.clock())
-        total = self.spent_ms.setdefault(bucket, [0.0, 0.0])
-        total[0] += spent
-        if k and steps < self.min_steps:  # a step measuring drafting here
-            total[1] += spent
-            self.measuring_step_ms.add(spent)
-
-    def _measured(self, bucket: int, plain: bool) -> tuple[float, int, bool] | None:
-        """(ms per token, steps, fresh); a stale plain figure is dropped (v(N) / N stands in)."""
-        known = self.cost_per_token.get((bucket, plain))
-        if known is None or known[0].value is None:
-            return None
-        fresh = self.clock() - known[2] <= self.keep_s
-        if plain and not fresh:
-            del self.cost_per_token[(bucket, plain)]
-            return None
-        return known[0].value, known[1], fresh
-
-    def _plain_below(self, bucket: int) -> bool:
-        """Whether plain decoding measured cheaper, and recently, at a lighter load (2+)."""
-        for lighter in (1 << i for i in range(1, bucket.bit_length() - 1)):  # 2, 4, ... < bucket
-            drafting, plain = self._measured(lighter, plain=False), self._measured(lighter, plain=True)
-            if drafting is not None and plain is not None and drafting[2] \
-                    and drafting[1] >= self.min_steps and plain[0] < drafting[0]:
-                return True
-        return False
-
-    def _affordable(self, bucket: int) -> bool:
-        """Whether `explore` of the hardware time charged at this load covers a round of measuring."""
-        step = self.measuring_step_ms.value
-        if step is None:
-            return True  # nothing measured anywhere yet: learn what measuring costs
-        total, measuring = self.spent_ms.get(bucket, (0.0, 0.0))
-        return measuring + self.min_steps * step <= self.explore * total
-
-    def _measure(self, bucket: int) -> bool:
-        """Whether this step takes a place measuring drafting at this load."""
-        granted, since = self.measuring.get(bucket, (0, self.clock()))
-        if self.clock() - since > self.keep_s:  # the last round is over, or never came in: again
-            granted, since = 0, self.clock()
-        if granted >= self.min_steps or (granted == 0 and not self._affordable(bucket)):
-            return False
-        if granted == 0:
-            self.cost_per_token.pop((bucket, False), None)  # a new round, from scratch
-        self.measuring[bucket] = (granted + 1, since)
-        return True
-
-    def plain(self, verify: Callable[[int], float | None], decode: bool = True) -> bool:
-        """Whether steps now decode without drafting; `verify`: v(T), the target's pass of T
-        tokens. Only a decode step (not a prefill, which is never charged) may measure drafting."""
-        decision, why, figures = self._plain(verify, decode)
-        bucket = load_bucket(self.deployment.active)
-        if self.deployment.active >= 2 and self._logged.get(bucket) != decision:
-            self._logged[bucket] = decision
-            log.info("fleet: %d requests running: %s (" + why + ")", self.deployment.active,
-                     "decoding plain" if decision else "drafting", *figures)
-        return decision
-
-    def _plain(self, verify: Callable[[int], float | None], decode: bool) -> tuple[bool, str, tuple[float, ...]]:
-        """The decision, and why: a log format and its arguments."""
-        n = self.deployment.active
-        if not self.enabled or n < 2:
-            return False, "the per-step policy", ()
-        bucket = load_bucket(n)
-        drafting = self._measured(bucket, plain=False)
-        known = drafting is not None and drafting[1] >= self.min_steps
-        if not known and self._plain_below(bucket):
-            return True, "plain won at a lighter load", ()  # more load only favours it more
-        if drafting is None or not known or not drafting[2]:
-            # Draft, and measure what it costs at this load (min_steps steps), if its share of
-            # the hardware allows; until then a stale figure still decides, and no figure: plain.
-            if decode and self._measure(bucket):
-                return False, "measuring what drafting costs", ()
-            if not decode and not known:
-                return False, "a prefill, drafting not measured yet", ()
-            if drafting is None or not known:
-                if self.measuring.get(bucket, (0, 0.0))[0]:
-                    return True, "while drafting is measured", ()
-                return True, "measuring drafting here waits for its share of the hardware", ()
-        plain = self._measured(bucket, plain=True)
-        if plain is None:
-            one_pass = verify(n)
-            if one_pass is None:
-                return True, "no plain pass measured yet", ()  # a plain step measures it
-            return (one_pass / n < drafting[0], "%.0f ms a plain token, from v(%d), against %.0f drafting",
-                    (one_pass / n, n, drafting[0]))
-        return plain[0] < drafting[0], "%.0f ms a plain token against %.0f drafting", (plain[0], drafting[0])
+    def k(self, sessions: int) -> int | None:
+        """The table's k for this many sessions; None where it says nothing."""
+        for first, last, k in self.rows:
+            if first <= sessions and (last is None or sessions <= last):
+                return k
+        return None
 
 
 @dataclass
@@ -266,7 +147,7 @@ class CostModel:
     # one at the replica; shared like verify_ms.
     batch_sessions: Ema = field(default_factory=lambda: Ema(weight=0.2))
     queue_depth: Ema = field(default_factory=lambda: Ema(weight=0.2))
-    fleet: Fleet = field(default_factory=Fleet)  # its own costs; the Deployment is shared
+    deployment: Deployment = field(default_factory=Deployment)  # shared by every proposer
 
     def verify(self, tokens: int) -> float | None:
         """v(tokens), or the nearest smaller measured pass (optimism); None: nothing that small."""
@@ -294,9 +175,39 @@ class CostModel:
         deployment's target, so the same verify, load and overhead measurements."""
         return CostModel(verify_ms=self.verify_ms, overhead_ms=self.overhead_ms,
                          batch_sessions=self.batch_sessions, queue_depth=self.queue_depth,
-                         fleet=Fleet(self.fleet.deployment, enabled=self.fleet.enabled,
-                                     keep_s=self.fleet.keep_s, explore=self.fleet.explore,
-                                     min_steps=self.fleet.min_steps, clock=self.fleet.clock))
+                         deployment=self.deployment)
+
+    def sessions_sharing(self) -> int:
+        """Sessions that share the target's passes: the requests running here, or more where
+        the replicas report fuller passes (other orchestrators use them too)."""
+        return max(1, self.deployment.active, self.sessions_per_pass())
+
+    def load_limit(self, alpha: float, cap: int) -> int:
+        """The most k worth drafting (at most `cap`) while B sessions share the target's pass.
+
+        `--speculation-by-batch` says it where it covers B. Otherwise, with B >= 2, every
+        session's block rides in one pass of B(k + 1) tokens, and a draft on the target's
+        hardware takes k of its passes' time too, so the hardware yields B E(k) tokens per
+        v(B(k + 1)) + k t_draft. k rises while one more drafted token per session raises that
+        rate, and stops at the first that does not (on a flat v(T), a GPU: seldom; on a
+        compute-bound one, a CPU under load: at 0). With one session the per-step cost alone
+        decides."""
+        sessions = self.sessions_sharing()
+        table = self.deployment.by_batch.k(sessions) if self.deployment.by_batch else None
+        if table is not None:
+            return min(cap, table)
+        t_one = self.verify(sessions)
+        if sessions < 2 or t_one is None:
+            return cap
+        t_draft = (self.draft_ms_per_token.value or 0.0) if self.deployment.draft_shares_target else 0.0
+
+        def rate(k: int) -> float:
+            return expected_tokens(alpha, k) / ((self.verify(sessions * (k + 1)) or t_one) + k * t_draft)
+
+        k = 0
+        while k < cap and rate(k + 1) > rate(k):
+            k += 1
+        return k
 
     def observe(self, k: int, accepted: int, draft_ms: float, verify_ms: float, step_ms: float,
                 verify_tokens: int, load: PassLoad | None = None, fed: int = 1) -> None:
@@ -314,8 +225,6 @@ class CostModel:
         sessions, tokens, pass_ms, queued = (load.sessions, load.tokens, load.pass_ms, load.queue_depth) \
             if load is not None else (1, verify_tokens, verify_ms, 0)
         self.verify_ms.setdefault(tokens, Ema()).add(pass_ms)
-        # This step's share of the pass (a replica that does not report it: the pass was its own).
-        self.fleet.charge(k, accepted + 1, draft_ms, pass_ms * verify_tokens / tokens if tokens else pass_ms)
         self.batch_sessions.add(sessions)
         self.queue_depth.add(queued)
         # verify_ms is the step's time at the replica, its wait for passes included: the wait
@@ -346,13 +255,8 @@ class Speculation:
         cap = max(0, min(self.max_k, remaining - 1))
         if self.policy == "fixed" or cap == 0:
             return cap
-        k = self._per_step(cap, 0 if prefill else lag, remaining)
-        # Only a step that would draft asks the fleet: one that would not must not take a
-        # place measuring drafting at this load (it would report plain, and the places stay
-        # taken until keep_s passes, every other step held plain meanwhile).
-        if k == 0 or self.costs.fleet.plain(self.costs.verify, decode=not prefill):
-            return 0
-        return k
+        cap = self.costs.load_limit(self.alpha(), cap)
+        return self._per_step(cap, 0 if prefill else lag, remaining) if cap else 0
 
     def _per_step(self, cap: int, lag: int = 1, remaining: int = 1) -> int:
         """The k that maximises tokens per unit of time (at most `cap`): this step's, and for a

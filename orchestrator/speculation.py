@@ -60,12 +60,12 @@ async def speculate(gen: Generation, proposer: Proposer | None, target: TargetSe
         wait_ms = 0.0
         # The draft keys its draws by (request seed, position), so a block drafted ahead is
         # the block drafted now; with overlap it drafts the next k while the target verifies.
-        beside = costs.fleet.deployment.draft_shares_target and not costs.fleet.deployment.overlap
+        beside = costs.deployment.draft_shares_target and not costs.deployment.overlap
         if proposer is None or k == 0 or (prefill and beside):
             # A draft the policy does not mean to use is not prefilled: it catches up when used.
             # Nor is one that takes turns on the target's hardware: prefilling both at once there
-            # only slows the target's prefill (the first token), and is wasted if the fleet
-            # decodes plain. (With --overlap on it is, and drafts the first block meanwhile.)
+            # only slows the target's prefill (the first token), and is wasted if the load rule
+            # keeps it plain. (With --overlap on it is, and drafts the first block meanwhile.)
             block = EMPTY_BLOCK
             result = await target.score(history, block, gen.sampling, target_seed)
         elif prefill:

@@ -87,25 +87,26 @@ def test_sampled_law_holds_while_sessions_share_the_batch(tiny_dir: Path) -> Non
         stack.stop()
 
 
-def test_the_fleet_switching_regimes_under_load_changes_no_token(tiny_draft: Path, tiny_target: Path) -> None:
-    """The fleet: while requests run together, the orchestrator charges each committed token
-    its hardware time with and without drafting and decodes plain while that is cheaper,
-    measuring drafting again every 0.5 s here, whatever that costs (--fleet-explore 1); every request's greedy output stays the
+def test_k_changing_with_the_load_changes_no_token(tiny_draft: Path, tiny_target: Path) -> None:
+    """The load rule: while four or more requests run, this table drafts nothing, and as the
+    shorter ones finish the rest draft again; every request's greedy output stays the
     target's own (the choice itself: tests/orchestrator/test_policy.py)."""
     stack = start_stack(str(tiny_draft), str(tiny_target), draft_args=METRICS, target_args=METRICS,
-                        orchestrator_args=["--fleet-keep-s", "0.5", "--fleet-explore", "1"])
+                        orchestrator_args=["--speculation-by-batch", "1-3:4,4-:0"])
     try:
         prompts = [random_prompts(30, 1, 5 + i, seed=100 + i)[0] for i in range(6)]
+        lengths = [20 + 12 * i for i in range(6)]
 
         def request(i: int) -> tuple[list[int], int]:
             with stack.client() as client:
-                reply = client.generate(prompts[i], max_new_tokens=60, ignore_eos=True)
+                reply = client.generate(prompts[i], max_new_tokens=lengths[i], ignore_eos=True)
                 return list(reply.token_ids), reply.usage.drafted_tokens
 
         with ThreadPoolExecutor(max_workers=6) as pool:
             results = list(pool.map(request, range(6)))
-        for prompt, (tokens, _) in zip(prompts, results, strict=True):
-            assert tokens == greedy_reference(tiny_target, prompt, 60)
-        assert sum(drafted for _, drafted in results) > 0  # the policy's regime drafted
+        for prompt, length, (tokens, _) in zip(prompts, lengths, results, strict=True):
+            assert tokens == greedy_reference(tiny_target, prompt, length)
+        assert results[-1][1] > 0  # the longest drafted once it ran with fewer than four
+        assert results[0][1] == 0  # the shortest ran only beside five others: it drafted nothing
     finally:
         stack.stop()

@@ -7,13 +7,12 @@ import pytest
 from orchestrator.domain import PassLoad
 from orchestrator.policy import (
     Acceptance,
+    BatchTable,
     CostModel,
     Deployment,
     Ema,
-    Fleet,
     Speculation,
     expected_tokens,
-    load_bucket,
 )
 
 
@@ -209,221 +208,100 @@ def test_a_long_queue_does_not_make_speculation_look_cheap() -> None:
     assert Speculation("adaptive", 4, costs).choose(remaining=100) == 0
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def fleet_costs(active: int, shared: bool, clock: Clock) -> CostModel:
+def steady(active: int, shared: bool, draft_ms: float = 85.0, curve: dict[int, float] | None = None,
+           alpha: float = 0.75) -> CostModel:
     """The deployment's costs with `active` requests running; a target pass of T tokens costs
-    100 + 50 T ms (a CPU: compute-bound), and the draft 85 ms a token."""
-    costs = CostModel(fleet=Fleet(Deployment(active, shared), clock=clock))
-    costs.draft_ms_per_token.value = 85.0
+    `curve` (default 100 + 50 T ms: a CPU, compute-bound) and the draft `draft_ms` a token."""
+    costs = CostModel(deployment=Deployment(active, shared))
+    costs.draft_ms_per_token.value = draft_ms
     costs.overhead_ms.value = 0.0
-    costs.alpha = Acceptance(accepted=0.75, tested=1.0)
+    costs.alpha = Acceptance(accepted=alpha, tested=1.0)
+    for tokens in range(1, 200):
+        costs.verify_ms[tokens] = Ema(value=(curve or {}).get(tokens, 100 + 50.0 * tokens))
     return costs
 
 
-def draft_steps(costs: CostModel, n: int, sessions_per_pass: int) -> None:
-    """n steps of k = 4 keeping 2 (3 tokens each), in passes of `sessions_per_pass` such steps."""
-    tokens = 5 * sessions_per_pass
-    for _ in range(n):
-        costs.observe(4, 2, 340.0, 100 + 50.0 * tokens, 400.0, 5, PassLoad(sessions_per_pass, tokens, 100 + 50.0 * tokens, 0))
+def test_one_session_is_the_per_step_policys_alone() -> None:
+    costs = steady(1, shared=True, draft_ms=5.0, curve={t: 100.0 + t for t in range(1, 200)})
+    assert costs.load_limit(0.75, 4) == 4
+    assert Speculation("adaptive", 4, costs).choose(remaining=100) == 4
 
 
-def plain_steps(costs: CostModel, n: int, sessions_per_pass: int) -> None:
-    for _ in range(n):
-        ms = 100 + 50.0 * sessions_per_pass
-        costs.observe(0, 0, 0.0, ms, ms, 1, PassLoad(sessions_per_pass, sessions_per_pass, ms, 0))
-
-
-def test_loads_within_a_factor_of_two_share_measurements() -> None:
-    assert [load_bucket(n) for n in (1, 2, 3, 4, 7, 8, 31, 32)] == [1, 2, 2, 4, 4, 8, 16, 32]
-
-
-def test_with_a_draft_on_the_targets_cores_the_fleet_decodes_plain_once_drafting_is_measured() -> None:
-    # Two requests taking turns at the target: each drafting step costs 340 ms of draft and a
-    # 350 ms pass of its own for 3 tokens (230 ms a token); both plain in one pass, 200 ms for
-    # 2 (100 ms a token).
-    clock = Clock()
-    costs = fleet_costs(2, shared=True, clock=clock)
-    assert costs.fleet.min_steps == 2
-    assert costs.fleet.plain(costs.verify) is False  # nothing measured at this load: draft, and measure
-    draft_steps(costs, 1, sessions_per_pass=1)
-    assert costs.fleet.plain(costs.verify) is False  # fewer than min_steps drafting steps
-    draft_steps(costs, 1, sessions_per_pass=1)
-    assert costs.fleet.plain(costs.verify) is True  # no plain pass of 2 measured: a plain step learns it
-    plain_steps(costs, 4, sessions_per_pass=2)
-    assert costs.fleet.plain(costs.verify) is True
-    assert costs.fleet.cost_per_token[(2, True)][0].value == pytest.approx(100.0)
-    assert costs.fleet.cost_per_token[(2, False)][0].value == pytest.approx((340 + 350) / 3)
+def test_a_compute_bound_target_under_load_drafts_nothing() -> None:
+    # B = 8 on 100 + 50 T: one more drafted token per session costs 400 ms of pass for at most
+    # 8 x 0.75 tokens, against 500 ms for 8 plain ones.
+    costs = steady(8, shared=False)
+    assert costs.load_limit(0.75, 4) == 0
     assert Speculation("adaptive", 4, costs).choose(remaining=100) == 0
     assert Speculation("fixed", 4, costs).choose(remaining=100) == 4  # a fixed k is kept
 
 
+def test_a_flat_target_under_load_keeps_drafting() -> None:
+    costs = steady(32, shared=False, draft_ms=5.0, curve={t: 100.0 for t in range(1, 200)})
+    assert costs.load_limit(0.75, 4) == 4
+
+
+def test_k_falls_as_the_batch_grows_on_a_curve_that_bends() -> None:
+    # Flat up to 16 tokens a pass, then linear: a GPU-like target that saturates.
+    curve = {t: 100.0 * max(1.0, t / 16) for t in range(1, 200)}
+    limits = [steady(b, shared=False, draft_ms=5.0, curve=curve, alpha=0.8).load_limit(0.8, 4)
+              for b in (2, 4, 8, 16, 32)]
+    assert limits == sorted(limits, reverse=True)
+    assert limits[0] == 4 and limits[-1] == 0
+
+
 @pytest.mark.parametrize("shared", [True, False])
 def test_the_drafts_time_counts_only_where_it_shares_the_targets_hardware(shared: bool) -> None:
-    # Drafting steps: 340 ms of draft, 350 ms of target for 3 tokens; plain steps alone in their
-    # passes: 150 ms a token. Beside the target, a drafted token costs 230 ms of the hardware;
-    # on a draft's own, 117 ms of the target's.
-    costs = fleet_costs(2, shared=shared, clock=Clock())
-    draft_steps(costs, 8, sessions_per_pass=1)
-    plain_steps(costs, 8, sessions_per_pass=1)
-    assert costs.fleet.plain(costs.verify) is shared
+    # B = 2 on a flattish target (200 + 10 T): a draft of its own is free to the target's
+    # hardware; one on the same cores takes 85 ms of it per drafted token.
+    costs = steady(2, shared=shared, curve={t: 200 + 10.0 * t for t in range(1, 200)})
+    limit = costs.load_limit(0.75, 4)
+    assert (limit < 4) if shared else (limit == 4)
 
 
-def test_many_requests_in_one_plain_pass_beat_drafting_even_with_a_draft_of_its_own() -> None:
-    costs = fleet_costs(32, shared=False, clock=Clock())
-    draft_steps(costs, 8, sessions_per_pass=8)  # 8 x 5 tokens: 2100 ms, 262.5 a step, 87.5 a token
-    plain_steps(costs, 8, sessions_per_pass=32)  # 1700 ms for 32: 53 a token
-    assert costs.fleet.plain(costs.verify) is True
+def test_the_replicas_fuller_passes_count_as_load() -> None:
+    costs = steady(1, shared=False)
+    assert costs.load_limit(0.75, 4) == 4  # one request here ...
+    costs.batch_sessions.value = 8.0  # ... but passes of 8 at the target: other orchestrators
+    assert costs.sessions_sharing() == 8 and costs.load_limit(0.75, 4) == 0
 
 
-def test_only_a_few_requests_draft_to_measure_a_new_load() -> None:
-    # 32 requests start at once: min_steps (2) of them draft to measure drafting; the others
-    # decode plain until the figure is in, and again once it says plain is cheaper.
-    clock = Clock()
-    costs = fleet_costs(32, shared=True, clock=clock)
-    # Their prefills measure nothing (a prefill is never charged), so they take no place.
-    assert [costs.fleet.plain(costs.verify, decode=False) for _ in range(32)] == [False] * 32
-    assert [costs.fleet.plain(costs.verify) for _ in range(32)] == [False] * 2 + [True] * 30
-    draft_steps(costs, 2, sessions_per_pass=2)
-    plain_steps(costs, 4, sessions_per_pass=30)
-    assert costs.fleet.plain(costs.verify) is True
-    # Steps let through that never report (cancelled) free their places after keep_s.
-    other = fleet_costs(8, shared=True, clock=clock)
-    assert [other.fleet.plain(other.verify) for _ in range(3)] == [False] * 2 + [True]
-    clock.now += 61.0
-    assert other.fleet.plain(other.verify) is False
+def test_an_unmeasured_pass_is_assumed_to_cost_the_nearest_smaller_one() -> None:
+    costs = CostModel(deployment=Deployment(4, False))
+    costs.alpha = Acceptance(accepted=0.75, tested=1.0)
+    assert costs.load_limit(0.75, 4) == 4  # nothing measured: draft, and measure
+    costs.verify_ms[4] = Ema(value=300.0)
+    assert costs.load_limit(0.75, 4) == 4  # v(8..20) taken as v(4): optimism, tried then measured
+    for tokens in (8, 12, 16, 20):
+        costs.verify_ms[tokens] = Ema(value=75.0 * tokens)
+    assert costs.load_limit(0.75, 4) == 0
 
 
-def test_a_step_the_per_step_policy_would_not_draft_takes_no_measuring_place() -> None:
-    """Found in the load sweep: at 4 and 8 clients the places measuring drafting went to steps
-    the per-step policy then ran plain, so drafting was never measured there, and every
-    other step was held plain "while drafting is measured" until keep_s (60 s) passed."""
-    costs = fleet_costs(8, shared=True, clock=Clock())
-    costs.batch_sessions.value = 8.0
-    for tokens in range(8, 41, 8):  # a compute-bound target: 100 + 50 T ms
-        costs.verify_ms[tokens] = Ema()
-        costs.verify_ms[tokens].value = 100 + 50.0 * tokens
-    assert [Speculation("adaptive", 4, costs).choose(remaining=100) for _ in range(4)] == [0] * 4
-    assert 8 not in costs.fleet.measuring
-    costs.draft_ms_per_token.value = 5.0  # a cheap draft and a flat target: the per-step policy drafts
-    for tokens in range(8, 41, 8):
-        costs.verify_ms[tokens].value = 100 + 1.0 * tokens
-    ks = [Speculation("adaptive", 4, costs).choose(remaining=100) for _ in range(4)]
-    assert all(k > 0 for k in ks[:2]) and ks[2:] == [0, 0]  # two measure; the rest wait plain
-    assert costs.fleet.measuring[8][0] == 2
+def test_a_batch_table_overrides_the_derived_rule_where_it_covers_the_load() -> None:
+    table = BatchTable.parse("1-4:4, 5-16:2, 33-:0", max_k=16)
+    assert table is not None
+    assert [table.k(b) for b in (1, 4, 5, 16, 17, 32, 33, 1000)] == [4, 4, 2, 2, None, None, 0, 0]
+    costs = steady(8, shared=False)  # derived: 0 at 8 (see above)
+    costs.deployment.by_batch = table
+    assert costs.load_limit(0.75, 4) == 2 and costs.load_limit(0.75, 1) == 1
+    costs.deployment.active = 20  # not in the table: derived
+    assert costs.load_limit(0.75, 4) == 0
+    costs.deployment.active = 40
+    assert Speculation("adaptive", 4, costs).choose(remaining=100) == 0
 
 
-def test_where_plain_won_at_a_lighter_load_a_heavier_one_is_not_measured_again() -> None:
-    clock = Clock()
-    costs = fleet_costs(2, shared=True, clock=clock)
-    draft_steps(costs, 2, sessions_per_pass=1)
-    plain_steps(costs, 2, sessions_per_pass=2)
-    assert costs.fleet.plain(costs.verify) is True
-    costs.fleet.deployment.active = 16  # no measurement at 16: plain, from 2's
-    assert costs.fleet.plain(costs.verify) is True and 16 not in costs.fleet.measuring
-    clock.now += 61.0  # 2's figures are stale: 16 measures drafting itself, once its share allows
-    plain_steps(costs, 1000, sessions_per_pass=16)  # 56 ms each at 16: 3% covers a round (2 x 690 ms)
-    assert costs.fleet.plain(costs.verify) is False
+@pytest.mark.parametrize("text, problem", [
+    ("1-4", "is not FIRST-LAST:K"), ("a:1", "is not FIRST-LAST:K"), ("0-4:2", "sessions run from 1"),
+    ("4-2:1", "sessions run from 1"), ("1-8:2,5-9:1", "overlaps or precedes"),
+    ("1-:2,5:1", "overlaps or precedes"), ("1-4:20", "exceeds --max-speculative-tokens 16")])
+def test_a_bad_batch_table_is_refused_naming_the_entry(text: str, problem: str) -> None:
+    with pytest.raises(ValueError, match=problem):
+        BatchTable.parse(text, max_k=16)
+    assert BatchTable.parse(" ", max_k=16) is None
 
-
-def test_where_drafting_won_at_a_lighter_load_a_heavier_one_measures_it_again() -> None:
-    costs = fleet_costs(2, shared=False, clock=Clock())
-    draft_steps(costs, 2, sessions_per_pass=1)  # 117 ms a token of the target's
-    plain_steps(costs, 2, sessions_per_pass=1)  # 150
-    assert costs.fleet.plain(costs.verify) is False
-    costs.fleet.deployment.active = 8
-    assert costs.fleet.plain(costs.verify) is True  # 8 has spent nothing yet to measure with
-    plain_steps(costs, 1000, sessions_per_pass=8)  # 62.5 ms each: 3% covers a round (2 x 690 ms)
-    assert costs.fleet.plain(costs.verify) is False and costs.fleet.measuring[8][0] == 1
-
-
-def test_measuring_drafting_spends_at_most_its_share_of_the_hardware_at_a_load() -> None:
-    """Found in the load sweep at 4 clients on shared cores: every repeat re-measured drafting
-    (its figure was stale after 60 s), and each measuring step caught the draft up on the whole
-    history on the target's cores: 0.90x batched k=0. A round of measuring (2 steps) now waits
-    until --fleet-explore (3%) of the hardware time charged at that load covers it."""
-    clock = Clock()
-    costs = fleet_costs(4, shared=True, clock=clock)
-    fleet = costs.fleet
-    assert [fleet.plain(costs.verify) for _ in range(3)] == [False, False, True]  # the first round is free
-    draft_steps(costs, 2, sessions_per_pass=1)  # 690 ms a step: what a measuring step costs
-    assert fleet.measuring_step_ms.value == pytest.approx(690.0)
-    drafted = 2
-    for _ in range(40):  # 40 minutes: stale drafting figures every minute
-        clock.now += 61.0
-        for _ in range(100):  # 100 steps a minute, each 300 ms / 4 of a plain pass of 4
-            if fleet.plain(costs.verify):
-                plain_steps(costs, 1, sessions_per_pass=4)
-            else:
-                draft_steps(costs, 1, sessions_per_pass=1)
-                drafted += 1
-    total, measuring = fleet.spent_ms[4]
-    assert 2 < drafted and measuring == pytest.approx(690.0 * drafted)  # it measured again ...
-    assert measuring <= fleet.explore * total + 2 * 690.0  # ... within its share, the free round aside
-    assert fleet.plain(costs.verify) is True  # and the stale figure decided meanwhile: plain
-
-
-def test_a_load_with_no_measured_drafting_and_no_share_yet_decodes_plain() -> None:
-    costs = fleet_costs(2, shared=True, clock=Clock())
-    draft_steps(costs, 2, sessions_per_pass=1)  # measured at 2: a measuring step's cost is known
-    costs.fleet.deployment.active = 4
-    assert costs.fleet.plain(costs.verify) is True and 4 not in costs.fleet.measuring
-    costs.fleet.explore = 1.0  # all the hardware may go to measuring: 4 measures at once
-    plain_steps(costs, 20, sessions_per_pass=4)  # 75 ms each: 1500 ms covers 2 x 690
-    assert costs.fleet.plain(costs.verify) is False
-
-def test_an_unmeasured_plain_load_is_costed_from_the_targets_passes() -> None:
-    clock = Clock()
-    costs = fleet_costs(8, shared=True, clock=clock)
-    plain_steps(costs, 2, sessions_per_pass=1)  # v(1) = 150 (measured at another load)
-    costs.fleet.cost_per_token.clear()
-    draft_steps(costs, 4, sessions_per_pass=2)  # 340 + 550 ms for 3 tokens
-    # v(8) is taken as v(1) or the nearest smaller measured pass: 150 / 8 a token. Plain.
-    assert costs.fleet.plain(costs.verify) is True
-
-
-def test_one_request_is_the_per_step_policys_alone() -> None:
-    clock = Clock()
-    costs = fleet_costs(1, shared=True, clock=clock)
-    draft_steps(costs, 8, sessions_per_pass=1)
-    plain_steps(costs, 8, sessions_per_pass=1)
-    assert costs.fleet.cost_per_token == {}  # nothing charged: one request is not the fleet's
-    assert costs.fleet.plain(costs.verify) is False
-
-
-def test_a_measured_cost_goes_stale_and_drafting_is_measured_again() -> None:
-    clock = Clock()
-    costs = fleet_costs(4, shared=True, clock=clock)
-    draft_steps(costs, 4, sessions_per_pass=1)
-    plain_steps(costs, 4, sessions_per_pass=4)
-    assert costs.fleet.plain(costs.verify) is True
-    clock.now += 30.0
-    plain_steps(costs, 4, sessions_per_pass=4)  # plain stays fresh; drafting's figure ages
-    assert costs.fleet.plain(costs.verify) is True
-    clock.now += 31.0  # 61 s old: it still decides until measuring it again is affordable
-    assert costs.fleet.plain(costs.verify) is True and (4, False) in costs.fleet.cost_per_token
-    plain_steps(costs, 1200, sessions_per_pass=4)  # 75 ms each: 3% covers the first round and one more
-    assert costs.fleet.plain(costs.verify) is False  # draft again, measure again, from scratch
-    assert (4, False) not in costs.fleet.cost_per_token
 
 def test_every_proposer_has_its_own_costs_over_one_deployment() -> None:
-    costs = fleet_costs(2, shared=True, clock=Clock())
+    costs = steady(2, shared=True)
     other = costs.for_proposer()
-    assert other.fleet.deployment is costs.fleet.deployment and other.fleet is not costs.fleet
-    draft_steps(costs, 4, sessions_per_pass=1)
-    assert other.fleet.cost_per_token == {}
-
-
-def test_the_fleet_can_be_turned_off() -> None:
-    clock = Clock()
-    costs = fleet_costs(4, shared=True, clock=clock)
-    costs.fleet.enabled = False
-    draft_steps(costs, 4, sessions_per_pass=1)
-    plain_steps(costs, 4, sessions_per_pass=4)
-    assert costs.fleet.plain(costs.verify) is False
+    assert other.deployment is costs.deployment and other.verify_ms is costs.verify_ms
+    assert other.draft_ms_per_token is not costs.draft_ms_per_token
