@@ -156,7 +156,6 @@ def test_the_deployment_acceptance_is_a_ratio_of_running_sums() -> None:
 
 def loaded(draft_ms: float, passes: dict[int, float], sessions: int, alpha: float) -> CostModel:
     """Costs measured under load: every target pass held `sessions` sessions' steps."""
-    from orchestrator.domain import PassLoad
 
     costs = CostModel()
     costs.draft_ms_per_token.value = draft_ms
@@ -187,7 +186,6 @@ def test_a_flat_curve_keeps_speculating_under_load() -> None:
 
 
 def test_a_step_reports_the_pass_that_served_it_not_its_wait() -> None:
-    from orchestrator.domain import PassLoad
 
     costs = CostModel()
     costs.observe(0, 0, 0.0, 900.0, 950.0, 1, PassLoad(sessions=6, tokens=6, pass_ms=300.0, queue_depth=12))
@@ -199,7 +197,6 @@ def test_a_step_reports_the_pass_that_served_it_not_its_wait() -> None:
 def test_a_long_queue_does_not_make_speculation_look_cheap() -> None:
     """Found in review: with the wait for shared passes filed as overhead (which no k
     changes), a saturated queue made every k look alike and the largest win."""
-    from orchestrator.domain import PassLoad
 
     costs = loaded(draft_ms=1, passes={t: 1.0 * t for t in (16, 32, 48, 64, 80)}, sessions=16, alpha=0.5)
     assert Speculation("adaptive", 4, costs).choose(remaining=100) == 0
