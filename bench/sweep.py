@@ -47,21 +47,30 @@ from tandem.launch import Process, Stack, start_stack
 from tandem.server import CHANNEL_OPTIONS
 from tandem.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 
-MODES = {  # name: (services' flags, draft model used, k per request: None = the policy's,
-    #        the orchestrator's flags)
-    "per-session k=0": (["--max-batch-sessions", "1"], False, 0, []),
-    "batched k=0": ([], False, 0, []),
-    "batched speculation": ([], True, None, []),
+
+@dataclass(frozen=True)
+class Mode:
+    services: tuple[str, ...] = ()  # flags of both services
+    drafting: bool = False  # whether the stack runs the draft model
+    k: int | None = None  # per request; None: the policy's
+    orchestrator: tuple[str, ...] = ()
+    draft: tuple[str, ...] = ()  # flags of the draft service alone
+
+
+MODES = {
+    "per-session k=0": Mode(services=("--max-batch-sessions", "1"), k=0),
+    "batched k=0": Mode(k=0),
+    "batched speculation": Mode(drafting=True),
     # The same with the per-step cost model alone (no load rule: every load may draft k_max).
-    "batched speculation per-step": ([], True, None, ["--speculation-by-batch", "1-:16"]),
+    "batched speculation per-step": Mode(drafting=True, orchestrator=("--speculation-by-batch", "1-:16")),
     # The same without drafting ahead: on shared cores the guesses take the target's cycles.
-    "batched speculation no-overlap": ([], True, None, ["--overlap", "off"]),
+    "batched speculation no-overlap": Mode(drafting=True, orchestrator=("--overlap", "off")),
     # A second batched k=0 stack (an A/A control): its ratio to batched k=0 is the noise floor
     # between two stacks running the same computation, against which any other ratio is read.
-    "batched k=0 twin": ([], False, 0, []),
+    "batched k=0 twin": Mode(k=0),
     # The draft's GGUF file on llama.cpp instead of transformers (the --draft-args' quantize
     # does not apply: a GGUF file carries its own).
-    "batched speculation llama.cpp": (["--backend", "llama.cpp", "--quantize", ""], True, None, []),
+    "batched speculation llama.cpp": Mode(drafting=True, draft=("--backend", "llama.cpp", "--quantize", "")),
 }
 DEFAULT_MODES = ("per-session k=0", "batched k=0", "batched speculation")
 
@@ -175,16 +184,16 @@ def sweep(draft: str, target: str, *, draft_args: Sequence[str], target_args: Se
     stacks: dict[str, Stack] = {}
     try:
         for mode in modes:
-            flags, drafting, k, orchestrator_flags = MODES[mode]
+            spec = MODES[mode]
             metrics = ["--metrics-port", "0"]
             logs = None if log_dir is None else log_dir / mode.replace(" ", "-")
             if logs is not None:
                 logs.mkdir(parents=True, exist_ok=True)
-            stacks[mode] = start_stack(draft if drafting else None, target, threads=threads,
-                                       draft_args=[*draft_args, *flags, *metrics],
-                                       target_args=[*target_args, *flags, *metrics],
-                                       orchestrator_args=orchestrator_flags, log_dir=logs)
-            asyncio.run(_drive(stacks[mode].address, texts[:1], 1, 4, k))  # warm-up
+            stacks[mode] = start_stack(draft if spec.drafting else None, target, threads=threads,
+                                       draft_args=[*draft_args, *spec.services, *spec.draft, *metrics],
+                                       target_args=[*target_args, *spec.services, *metrics],
+                                       orchestrator_args=list(spec.orchestrator), log_dir=logs)
+            asyncio.run(_drive(stacks[mode].address, texts[:1], 1, 4, spec.k))  # warm-up
         points: list[Point] = []
         for clients in concurrency:
             prompts = texts[:max(clients, min_requests)]
@@ -192,7 +201,7 @@ def sweep(draft: str, target: str, *, draft_args: Sequence[str], target_args: Se
             runs: dict[str, list[Point]] = {mode: [] for mode in here}
             for repeat in range(repeats):
                 for mode in rotated(here, repeat):
-                    run = _measure(stacks[mode], mode, prompts, clients, max_new_tokens, MODES[mode][2])
+                    run = _measure(stacks[mode], mode, prompts, clients, max_new_tokens, MODES[mode].k)
                     runs[mode].append(run)
                     print(f"{mode:>30} x{clients:<3} run {repeat + 1}/{repeats}: "
                           f"{run.tokens_per_s:7.2f} tokens/s, TTFT p50 {run.ttft_p50_ms:.0f} ms, "

@@ -172,7 +172,7 @@ async def propose_block(
 
     Each token is drawn from the draft's distribution under the request's parameters,
     truncated to its `max_support_size` most likely tokens and renormalised; that
-    truncated distribution is what is reported, so q is exact (FIELD_NOTES: sparse q).
+    truncated distribution is what is reported, so q is exact: the token was drawn from it.
     Each token's pass goes through `forward`, so the j-th tokens of all drafting sessions
     share a pass; a token whose q the cache already holds (drafted ahead) needs none, and a
     block drafted ahead for this very history needs no pass at all.
@@ -209,10 +209,10 @@ class Guesses:
     def hit(self, history: list[int]) -> bool:
         return any(g.history == history for g in self.guesses)
 
-    @property
-    def pending(self) -> bool:
-        """Whether a pass of a guess is still queued or running."""
-        return any(g.session.pending for g in self.guesses)
+    async def still(self) -> None:
+        """Until no pass of a guess is queued or running."""
+        for guess in self.guesses:
+            await guess.session.still()
 
 
 async def draft_ahead(forward: Forward, session: KVSession, history: list[int],

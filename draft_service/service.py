@@ -47,8 +47,8 @@ class Ahead:
         if not hit:
             self.task.cancel()  # off the branch: a queued pass is skipped
         await asyncio.wait([self.task])
-        while session.pending or self.guesses.pending:  # a running pass finishes, or stops at its next layer
-            await asyncio.sleep(0.001)
+        await session.still()  # a running pass finishes, or stops at its next layer
+        await self.guesses.still()
         session.ahead = False
         return self.guesses.drafted, hit
 

@@ -17,8 +17,9 @@ import os
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from orchestrator import discovery
 from orchestrator.admission import Admission
 from orchestrator.config import OrchestratorConfig
 from orchestrator.domain import (
@@ -52,11 +53,6 @@ from tandem import metrics, models
 from tandem.config import MAX_BLOCK_TOKENS, MAX_SUPPORT_SIZE
 from tandem.errors import InvalidRequest, Unavailable
 from tandem.sampling import SamplingParams, validate
-
-if TYPE_CHECKING:
-    # Imported where used: the kubernetes client takes ~0.6 s to import, and only discovery
-    # needs it.
-    from orchestrator import discovery
 
 OVERLAP_SETTINGS = ("auto", "on", "off")  # --overlap
 
@@ -144,8 +140,6 @@ class Engine:
 
     def load(self) -> None:
         if self.config.target_service_name or self.config.draft_service_name:
-            from orchestrator import discovery
-
             self._kube = discovery.connect(self.config.kubeconfig)
             self._namespace = self._namespace or discovery.default_namespace()
         reference = asyncio.run(self._check_replicas())
@@ -180,8 +174,6 @@ class Engine:
         cfg, wait = self.config, self.config.replica_wait_s
         target_addresses = _addresses(cfg.target)
         if not target_addresses:  # discovery: one ready target is the reference; the watch admits all
-            from orchestrator import discovery
-
             target_addresses = [await discovery.first_ready(
                 self._kube, self._namespace, cfg.target_service_name, cfg.service_port_name, wait)]
         targets = await asyncio.gather(*(fetch_model_info(a, TARGET_STUB, wait, self.upstream_tls)
@@ -218,8 +210,6 @@ class Engine:
         cfg = self.config
         if not (cfg.target_service_name or cfg.draft_service_name):
             return
-        from orchestrator import discovery
-
         services = [(cfg.target_service_name, self.targets, TARGET_STUB, "target"),
                     (cfg.draft_service_name, self.drafts, DRAFT_STUB, "draft")]
         for service, pool, stub, label in services:
@@ -233,16 +223,14 @@ class Engine:
 
     async def _admit(self, stub_class: type, address: str) -> None:
         """Let a discovered replica in only if it pairs with the target, as at start-up."""
-        from orchestrator.discovery import ReplicaRejected
-
         assert self.target_info is not None
         try:
             info = await fetch_model_info(address, stub_class, ADMIT_WAIT_S, self.upstream_tls)
         except Unavailable as exc:
-            raise ReplicaRejected(f"cannot describe its model: {exc}") from exc
+            raise discovery.ReplicaRejected(f"cannot describe its model: {exc}") from exc
         problem = _incompatibility(info, self.target_info)
         if problem:
-            raise ReplicaRejected(problem)
+            raise discovery.ReplicaRejected(problem)
         if stub_class is DRAFT_STUB:
             self._check_placement(info, [self.target_info], address)
 

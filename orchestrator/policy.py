@@ -5,8 +5,10 @@ The adaptive policy in three sentences:
    E(k) / (k t_draft + v(B(k + 1)) + overhead), from this request's acceptance and the costs
    measured on this deployment (v(T): a target pass of T tokens, B: sessions per pass).
 2. While B >= 2 sessions share the target's pass, k is at most the largest k that still
-   raises the hardware's yield B E(k) / (v(B(k + 1)) + k t_draft) (t_draft only where the
-   draft runs on the target's hardware), or what `--speculation-by-batch` says for B.
+   raises the tokens the hardware yields per millisecond (`load_limit`: every session's
+   block in one pass of B(k + 1) tokens, or, for a draft taking turns on the target's
+   hardware, each session's draft and pass on their own), or what `--speculation-by-batch`
+   says for B.
 3. A request that sets num_speculative_tokens, or `--speculation-policy fixed`, gets its k.
 
 With acceptance rate alpha a step of k drafted tokens yields, in expectation (Leviathan et
@@ -185,13 +187,15 @@ class CostModel:
     def load_limit(self, alpha: float, cap: int) -> int:
         """The most k worth drafting (at most `cap`) while B sessions share the target's pass.
 
-        `--speculation-by-batch` says it where it covers B. Otherwise, with B >= 2, every
-        session's block rides in one pass of B(k + 1) tokens, and a draft on the target's
-        hardware takes k of its passes' time too, so the hardware yields B E(k) tokens per
-        v(B(k + 1)) + k t_draft. k rises while one more drafted token per session raises that
-        rate, and stops at the first that does not (on a flat v(T), a GPU: seldom; on a
-        compute-bound one, a CPU under load: at 0). With one session the per-step cost alone
-        decides."""
+        `--speculation-by-batch` says it where it covers B. Otherwise, with B >= 2, k rises
+        from 0 while one more drafted token per session raises the tokens the hardware
+        yields per millisecond, and stops at the first that does not. Plain, the B sessions
+        share one pass: B / v(B). Drafting k, each session's block rides in one pass of
+        B(k + 1) tokens, B E(k) / v(B(k + 1)); but a draft that takes turns with the target on
+        its hardware also takes k of its own passes' time from it, and the sessions, each
+        either drafting or verifying, no longer meet in one pass: E(k) / (v(k + 1) + k t_draft)
+        for each. On a flat v (a GPU below its compute-bound knee) the limit stays at k_max;
+        on a CPU under load it falls to 0. With one session the per-step cost alone decides."""
         sessions = self.sessions_sharing()
         table = self.deployment.by_batch.k(sessions) if self.deployment.by_batch else None
         if table is not None:
@@ -199,10 +203,13 @@ class CostModel:
         t_one = self.verify(sessions)
         if sessions < 2 or t_one is None:
             return cap
+        turns = self.deployment.draft_shares_target and not self.deployment.overlap
         t_draft = (self.draft_ms_per_token.value or 0.0) if self.deployment.draft_shares_target else 0.0
 
         def rate(k: int) -> float:
-            return expected_tokens(alpha, k) / ((self.verify(sessions * (k + 1)) or t_one) + k * t_draft)
+            per_pass = 1 if turns and k else sessions
+            return per_pass * expected_tokens(alpha, k) / (
+                (self.verify(per_pass * (k + 1)) or t_one) + k * t_draft)
 
         k = 0
         while k < cap and rate(k + 1) > rate(k):

@@ -117,7 +117,7 @@ class PromptLookupProposer:
 
     The proposal is a function of the history, so each token is a one-hot draft: the
     target keeps it with probability p(x) and otherwise resamples from p without x, the
-    exact rule for deterministic drafts (FIELD_NOTES; vLLM's n-gram proposer does the same).
+    exact rule for deterministic drafts (vLLM's n-gram proposer does the same).
     """
 
     min_ngram: int

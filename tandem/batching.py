@@ -16,7 +16,7 @@ one copy of every batched session's KV per layer (cheap next to the weights on a
 attention over all T x S scores with most masked (NOTE: a varlen/paged kernel would skip
 them; it matters at long contexts on GPUs).
 
-A batch of one runs exactly today's per-session pass (the model's own mask). Batched
+A batch of one runs exactly the per-session pass (the model's own mask). Batched
 logits differ from it by float rounding (about 1e-6 in float32), the same caveat as a
 block of k+1 tokens against k+1 single-token passes.
 """
@@ -36,9 +36,11 @@ from typing import Any, Protocol
 import torch
 from transformers import AttentionInterface, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from tandem import models
 from tandem.kv import KVSession, Segment, SessionTable, segment_layout, tree_segment
+from tandem.lm import BatchCache, CausalLM
 
 log = logging.getLogger(__name__)
 
@@ -94,32 +96,6 @@ class PassOutput:
 Forward = Callable[[Pass], Awaitable[PassOutput]]
 
 
-class BatchCache:
-    """The cache a batched pass sees: the sessions' caches side by side.
-
-    `parts` pairs each session's cache with how many of the pass's tokens are its own, in
-    the order they sit in the flattened row.
-    """
-
-    def __init__(self, parts: list[tuple[DynamicCache, int]]) -> None:
-        self.parts = parts
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
-               *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        # key_states, value_states: [1, kv_heads, T, head_dim] -> [1, kv_heads, S, head_dim]
-        keys, values, start = [], [], 0
-        for cache, n in self.parts:
-            k, v = cache.update(key_states[:, :, start:start + n], value_states[:, :, start:start + n],
-                                layer_idx)
-            keys.append(k)
-            values.append(v)
-            start += n
-        return torch.cat(keys, dim=2), torch.cat(values, dim=2)
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0  # a batched pass always names its positions
-
-
 def _sdpa_by_session(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, *args: Any,
                      tandem_sessions: tuple[tuple[int, int], ...] | None = None,
@@ -145,13 +121,23 @@ def _sdpa_by_session(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     return torch.cat(outputs, dim=1), None
 
 
-# NOTE: replaces "sdpa" for the whole process, through transformers' registry; without
-# `tandem_sessions` (every pass but a batched one) it is transformers' own function.
-AttentionInterface.register("sdpa", _sdpa_by_session)
+#: The attention a served model runs: transformers' sdpa, one session at a time in a batched pass.
+BATCHED_ATTENTION = "tandem_sdpa"
 
 
-def single(model: models.CausalLM, p: Pass) -> PassOutput:
-    """A pass on its own: today's per-session forward, with the model's own mask."""
+def use_batched_attention(model: CausalLM) -> None:
+    """Let a model that runs sdpa attend one session at a time in its batched passes (see
+    `_sdpa_by_session`; outside them it is sdpa itself). The service calls it on the model it
+    loads; other models in the process keep their attention."""
+    if model.config._attn_implementation != "sdpa":
+        return
+    AttentionInterface.register(BATCHED_ATTENTION, _sdpa_by_session)
+    AttentionMaskInterface.register(BATCHED_ATTENTION, sdpa_mask)
+    model.set_attn_implementation(BATCHED_ATTENTION)
+
+
+def single(model: CausalLM, p: Pass) -> PassOutput:
+    """A pass on its own: the per-session forward, with the model's own mask."""
     p.session.extend(p.cache_position, p.token_ids)
     if not p.segment.token_ids and not p.with_hidden:
         return PassOutput(p.session.forward(model, list(p.token_ids), p.logits_to_keep), None)
@@ -161,7 +147,7 @@ def single(model: models.CausalLM, p: Pass) -> PassOutput:
 
 
 @torch.inference_mode()
-def batched(model: models.CausalLM, passes: list[Pass], window: int | None,
+def batched(model: CausalLM, passes: list[Pass], window: int | None,
             buckets: tuple[int, ...] = ()) -> list[PassOutput]:
     """Several sessions' passes as one forward (see the module docstring).
 
@@ -216,14 +202,14 @@ def batched(model: models.CausalLM, passes: list[Pass], window: int | None,
     return outputs
 
 
-def direct(model: models.CausalLM) -> Forward:
+def direct(model: CausalLM) -> Forward:
     """Run each pass at once, on its own (tests and tools: no scheduler, no batching)."""
     async def forward(p: Pass) -> PassOutput:
         return single(model, p)
     return forward
 
 
-def batching_refusal(model: models.CausalLM) -> str | None:
+def batching_refusal(model: CausalLM) -> str | None:
     """Why this model's sessions cannot share a pass (None: they can).
 
     Beyond what its config says, one probe: two short sessions in one batched pass must get
@@ -277,7 +263,7 @@ class Runner(Protocol):
 class TorchRunner:
     """Passes through a Hugging Face model's forward: `single` and `batched` above."""
 
-    model: models.CausalLM
+    model: CausalLM
 
     def single(self, p: Pass) -> PassOutput:
         return single(self.model, p)
@@ -289,7 +275,11 @@ class TorchRunner:
         _cut(session.cache, length)
 
     def stoppable(self) -> list[torch.nn.Module]:
-        return decoder_layers(self.model)
+        """The decoder layers, where a pass may stop between two; none for a tensor-parallel
+        rank 0 (`Lockstep`, not a module: every rank must finish each call)."""
+        model = self.model
+        layers = getattr(getattr(model, "model", None), "layers", None) if isinstance(model, torch.nn.Module) else None
+        return list(layers) if isinstance(layers, torch.nn.ModuleList) else []
 
 
 def pass_times(runner: Runner, new_session: Callable[[str], KVSession], tokens: Sequence[int],
@@ -326,20 +316,6 @@ class PassAborted(Exception):
     """Every step waiting on the running pass was cancelled: it stops at the next layer."""
 
 
-def decoder_layers(model: Any) -> list[torch.nn.Module]:
-    """The model's decoder layers, where a pass may stop between two of them; none for a
-    tensor-parallel rank 0 (`Lockstep`, not a module: every rank must finish each call)."""
-    layers = getattr(getattr(model, "model", None), "layers", None) if isinstance(model, torch.nn.Module) else None
-    return list(layers) if isinstance(layers, torch.nn.ModuleList) else []
-
-
-class Probe:
-    """A batch refusal not known yet: the probe (batching_refusal) finds it out."""
-
-
-PROBE = Probe()
-
-
 @dataclass
 class _Queued:
     p: Pass
@@ -362,7 +338,7 @@ class StepScheduler:
 
     Each tick takes the passes queued (oldest first, one per session: a session's passes are
     sequential) up to `max_sessions` and `max_tokens`, and runs them as one forward. With
-    max_sessions 1 it is the old one-at-a-time worker. The event loop stays free for I/O.
+    max_sessions 1 it runs one session a pass. The event loop stays free for I/O.
     """
 
     def __init__(self, max_sessions: int, max_tokens: int,
@@ -379,7 +355,7 @@ class StepScheduler:
         self._ended: dict[int, float] = {}  # when each recent session's last pass ended
         self._pass_ended = 0.0
         self.on_batch = on_batch
-        self.sessions = sessions  # protects a running pass's session from eviction
+        self.sessions = sessions  # told when a session's passes are over (room may free)
         self._queue: deque[_Queued] = deque()
         self._ready = threading.Condition()
         self._runner: Runner | None = None
@@ -413,8 +389,9 @@ class StepScheduler:
     async def __call__(self, p: Pass) -> PassOutput:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[PassOutput] = loop.create_future()
+        p.session.check_alive()  # evicted between its passes: NOT_FOUND
+        p.session.pending += 1  # until the worker has run or skipped it (`_over`)
         with self._ready:
-            p.session.pending += 1  # until the worker has run or skipped it
             sid = id(p.session)
             if sid in self._ended:
                 self._recent[sid] = time.perf_counter() - self._ended[sid]
@@ -485,21 +462,12 @@ class StepScheduler:
 
     def _run(self) -> None:
         while True:
-            live = []
             taken = self._take()
+            live = [q for q in taken if not q.future.cancelled()]
             for q in taken:
-                if q.future.cancelled():
-                    continue
-                try:
-                    if self.sessions is not None:
-                        self.sessions.start_pass(q.p.session)
-                    live.append(q)
-                except Exception as exc:  # noqa: BLE001 - evicted while queued: NOT_FOUND
-                    q.loop.call_soon_threadsafe(_settle, q.future, exc)
+                if q not in live:
+                    q.loop.call_soon_threadsafe(self._over, q, None, None)
             if not live:
-                with self._ready:
-                    for q in taken:
-                        q.p.session.pending -= 1
                 continue
             started = time.perf_counter()
             outputs = self._forward(live)
@@ -519,15 +487,19 @@ class StepScheduler:
                 log.exception("could not record a pass")  # metrics must never stop the worker
             for q, output in zip(live, outputs, strict=True):
                 try:
-                    if self.sessions is not None:
-                        self.sessions.end_pass(q.p.session)
-                    q.p.session.last_pass = stats  # read by the step once its future resolves
-                    q.loop.call_soon_threadsafe(_settle, q.future, output)
+                    q.loop.call_soon_threadsafe(self._over, q, output, stats)
                 except Exception:
                     log.exception("could not answer a pass")  # e.g. its event loop closed
-            with self._ready:
-                for q in taken:
-                    q.p.session.pending -= 1
+
+    def _over(self, q: _Queued, output: PassOutput | BaseException | None, stats: BatchStats | None) -> None:
+        """On the event loop: a pass ran (`output`, in the pass `stats`) or was skipped (None)."""
+        if stats is not None:
+            q.p.session.last_pass = stats  # read by the step once its future resolves
+        if output is not None:
+            _settle(q.future, output)
+        q.p.session.pass_over()
+        if self.sessions is not None and not q.p.session.pending:
+            self.sessions.changed()  # its room may go to a waiting step now
 
 
 def _cut(cache: DynamicCache, length: int) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 from tandem import (  # none imports torch: `tandem generate` never loads it
     config,
     models,
-    parallel,
+    topology,
 )
 from tandem.security import (
     SecurityConfigError,
@@ -118,7 +118,7 @@ def _serve_model(args: argparse.Namespace, label: str) -> None:
             log.error("tensor-parallel rank %d: %s: %s", top.rank, type(exc).__name__, exc)
             sys.exit(1)
         return
-    followers = parallel.spawn_followers(top, cfg, label) if top and top.spawns_followers else []
+    followers = topology.spawn_followers(top, cfg, label) if top and top.spawns_followers else []
     if label == "draft-service":
         from draft_service.service import DraftService
         service: object = DraftService(host)
@@ -152,10 +152,10 @@ def _tensor_parallel(cfg: Any, label: str) -> Any:
     try:
         from transformers import AutoConfig
 
-        parallel.check_shardable(AutoConfig.from_pretrained(models.resolve(cfg.model)),
+        topology.check_shardable(AutoConfig.from_pretrained(models.resolve(cfg.model)),
                                  cfg.tensor_parallel_size)
-        return parallel.topology(cfg.tensor_parallel_size, cfg.tp_rank, cfg.tp_master)
-    except parallel.ParallelError as exc:
+        return topology.topology(cfg.tensor_parallel_size, cfg.tp_rank, cfg.tp_master)
+    except topology.ParallelError as exc:
         sys.exit(f"{label}: {exc}")
 
 

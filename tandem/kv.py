@@ -8,8 +8,8 @@ back to it (rollback), then the step's new tokens are appended.
 
 from __future__ import annotations
 
+import asyncio
 import copy
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,7 +24,7 @@ from tandem.errors import (
     ResourceExhausted,
     SessionEvicted,
 )
-from tandem.models import CausalLM
+from tandem.lm import CausalLM
 
 
 @dataclass(frozen=True)
@@ -89,20 +89,22 @@ class KVSession:
     # A proposer's per-session soft state (Medusa's next candidates, Lookahead's window and
     # n-gram pool); like the cache, it may be lost at any time and is rebuilt as it goes.
     proposer_state: dict[str, Any] = field(default_factory=dict)
+    # Everything below is the event loop's: the forward worker only runs the passes it is
+    # handed (and their caches, while `pending` counts them), and answers through the loop.
     # Budget bookkeeping (SessionTable): tokens this session may hold after its current step,
-    # when it was last used, whether a step of it runs on the forward worker now, whether its
-    # cache was evicted.
+    # when it was last used, whether its cache was evicted.
     reserved: int = 0
     last_used: int = 0
     # The last forward pass that served this session (a batching.BatchStats), for its reply.
     last_pass: Any = None
-    busy: bool = False
-    in_step: bool = False  # a step of it is under way (between its passes, it may be evicted)
+    in_step: bool = False  # a step of it is under way: it is not evicted
     evicted: bool = False
     # The token ids whose KV the cache holds: the first `length` of them (passes record them).
     token_ids: list[int] = field(default_factory=list)
-    # Passes submitted to the scheduler and not yet over (run or skipped); 0: the cache is still.
+    # Passes submitted to the scheduler and not yet over (run or skipped); 0: the cache is
+    # still, and the session may be evicted or trimmed between steps.
     pending: int = 0
+    _still: list[asyncio.Future[None]] = field(default_factory=list, repr=False)
     # Where a speculative tail begins (tokens drafted ahead, which no step has asked for yet);
     # None: none. A tail is the first room the budget takes back (SessionTable.reserve).
     tail_from: int | None = None
@@ -116,6 +118,22 @@ class KVSession:
     @property
     def length(self) -> int:
         return int(self.cache.get_seq_length())
+
+    def pass_over(self) -> None:
+        """One of its passes ran or was skipped (on the event loop, from the scheduler)."""
+        self.pending -= 1
+        if not self.pending:
+            for waiter in self._still:
+                if not waiter.done():
+                    waiter.set_result(None)
+            self._still.clear()
+
+    async def still(self) -> None:
+        """Until no pass of it is queued or running: its cache is still."""
+        while self.pending:
+            waiter = asyncio.get_running_loop().create_future()
+            self._still.append(waiter)
+            await waiter
 
     def check_alive(self) -> None:
         """That the session's cache was not evicted (an evicted session is over)."""
@@ -251,11 +269,11 @@ class SessionTable:
 
     Before a step, `reserve` claims what the session will hold after it. When the claims
     exceed the budget, other sessions' caches are evicted, least recently used first, unless
-    a step of theirs is under way (`in_step`, or a pass running: `start_pass`); when only
-    those hold the room, the step waits for them (BudgetHeld). An evicted session's next step gets NOT_FOUND and the
-    orchestrator rebuilds it from its history. A step that cannot fit even so gets
-    RESOURCE_EXHAUSTED, never an out-of-memory kill. Eviction and the start of a step take one
-    lock, since steps run on the worker thread and reservations on the event loop.
+    a step of theirs is under way (`in_step`) or a pass of theirs is queued or running
+    (`pending`); when only those hold the room, the step waits for them (`room_freed`, after
+    BudgetHeld). An evicted session's next step gets NOT_FOUND and the orchestrator rebuilds it
+    from its history. A step that cannot fit even so gets RESOURCE_EXHAUSTED, never an
+    out-of-memory kill. The table, like its sessions, belongs to the event loop.
     """
 
     def __init__(self, max_sessions: int, kv_budget_tokens: int = 0) -> None:
@@ -264,7 +282,7 @@ class SessionTable:
         self._sessions: dict[int, KVSession] = {}
         self._next = 0
         self._clock = 0
-        self._lock = threading.Lock()
+        self._room: list[asyncio.Future[None]] = []  # steps waiting for room (room_freed)
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -313,49 +331,56 @@ class SessionTable:
         def claim(s: KVSession) -> int:
             return max(s.reserved, s.length)
 
-        with self._lock:
-            others = [s for s in self._sessions.values() if s is not session]
-            claimed = max(tokens, session.length) + sum(map(claim, others))
-            if claimed > budget and not evict:
-                raise BudgetHeld(f"no free room in the KV budget ({budget} tokens)")
-            for s in others:  # tails first: the cheapest room, as nobody has asked for them yet
-                if claimed > budget and s.tail_from is not None and not s.ahead \
-                        and not s.busy and not s.pending:
-                    before = claim(s)
-                    s.trim_tail()
-                    s.reserved = min(s.reserved, s.length)
-                    claimed -= before - claim(s)
-            # Only sessions between steps are evicted, least recently used first: evicting one
-            # in the middle of its step would throw its work away, and under pressure sessions
-            # would evict each other's steps forever. Room held by steps under way frees when
-            # they end (BudgetHeld: the caller waits for it).
-            idle = sorted((s for s in others if not s.busy and not s.in_step and claim(s)),
-                          key=lambda s: s.last_used)
-            if claimed - sum(map(claim, idle)) > budget:
-                raise BudgetHeld(
-                    f"the replica's KV budget ({budget} tokens, --kv-budget-tokens) is held by "
-                    "other sessions' steps under way; retry, or add replicas")
-            session.reserved = tokens
-            for victim in idle:
-                if claimed <= budget:
-                    break
-                claimed -= claim(victim)
-                victim.evict()
-                victim.reserved = 0
+        others = [s for s in self._sessions.values() if s is not session]
+        claimed = max(tokens, session.length) + sum(map(claim, others))
+        if claimed > budget and not evict:
+            raise BudgetHeld(f"no free room in the KV budget ({budget} tokens)")
+        for s in others:  # tails first: the cheapest room, as nobody has asked for them yet
+            if claimed > budget and s.tail_from is not None and not s.ahead and not s.pending:
+                before = claim(s)
+                s.trim_tail()
+                s.reserved = min(s.reserved, s.length)
+                claimed -= before - claim(s)
+        # Only sessions between steps are evicted, least recently used first: evicting one
+        # in the middle of its step would throw its work away, and under pressure sessions
+        # would evict each other's steps forever. Room held by steps under way frees when
+        # they end (BudgetHeld: the caller waits for it).
+        idle = sorted((s for s in others if not s.pending and not s.in_step and claim(s)),
+                      key=lambda s: s.last_used)
+        if claimed - sum(map(claim, idle)) > budget:
+            raise BudgetHeld(
+                f"the replica's KV budget ({budget} tokens, --kv-budget-tokens) is held by "
+                "other sessions' steps under way; retry, or add replicas")
+        session.reserved = tokens
+        for victim in idle:
+            if claimed <= budget:
+                break
+            claimed -= claim(victim)
+            victim.evict()
+            victim.reserved = 0
 
-    def start_pass(self, session: KVSession) -> None:
-        """Before a forward pass of `session` (on the forward worker): it cannot be evicted
-        until `end_pass`. Raises SessionEvicted if it already was (it was between steps then)."""
-        with self._lock:
-            session.check_alive()
-            session.busy = True
+    async def room_freed(self, timeout_s: float) -> None:
+        """Until a step ends, a session closes or a session's passes are over (any of which
+        may free room), or `timeout_s` passes."""
+        waiter = asyncio.get_running_loop().create_future()
+        self._room.append(waiter)
+        try:
+            await asyncio.wait_for(waiter, timeout_s)
+        except TimeoutError:
+            pass
 
-    def end_pass(self, session: KVSession) -> None:
-        session.busy = False
+    def changed(self) -> None:
+        """Wake the steps waiting for room: a session's claim may have shrunk."""
+        for waiter in self._room:
+            if not waiter.done():
+                waiter.set_result(None)
+        self._room.clear()
 
     def settle(self, session: KVSession) -> None:
         """After a step: the session holds what its cache holds."""
         session.reserved = session.length
+        self.changed()
 
     def close(self, handle: int) -> None:
         self._sessions.pop(handle, None)
+        self.changed()

@@ -9,7 +9,6 @@ ends, however it ends.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import signal
@@ -19,12 +18,13 @@ from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import torch
-from transformers import AutoTokenizer, DynamicCache
+from transformers import AutoConfig, AutoTokenizer, DynamicCache
 
-from tandem import batching, llama, matmul, models, parallel
+from tandem import batching, llama, matmul, models, parallel, topology
 from tandem.config import option
 from tandem.errors import BudgetHeld, InvalidRequest, Unavailable
 from tandem.kv import KVSession, SessionTable
+from tandem.lm import CausalLM
 from tandem.metrics import ReplicaMetrics
 from tandem.sampling import SamplingParams, validate
 from tandem.security import ServerSecurityConfig
@@ -136,18 +136,20 @@ class Step:
 
 
 class ModelHost:
-    def __init__(self, config: ModelServiceConfig, tensor_parallel: parallel.Topology | None = None
+    def __init__(self, config: ModelServiceConfig, tensor_parallel: topology.Topology | None = None
                  ) -> None:
         self.config = config
         self.tensor_parallel = tensor_parallel
-        self.model: models.CausalLM | None = None
+        self.model: CausalLM | None = None
         # Why the replica stopped itself (a tensor-parallel rank failed): it exits non-zero.
         self.failure: BaseException | None = None
         self.info: common_pb2.ModelInfo | None = None
         self.tokenizer: Any = None
         self.sessions = SessionTable(config.max_sessions, config.kv_budget_tokens)
-        # Why sessions cannot share a pass, where known before the model is served.
-        self.batch_refusal: str | None | batching.Probe = batching.PROBE
+        # Why sessions cannot share a pass, where known before the model is served (the probe
+        # finds it out on the served model otherwise).
+        self.batch_refusal: str | None = None
+        self.refusal_known = False
         self.matmul_path = matmul.DEFAULT
         self.new_cache: Callable[[], Any] = DynamicCache  # a session's empty cache
         self.quantized = ""  # what --quantize (auto: the timing) chose
@@ -157,7 +159,7 @@ class ModelHost:
             lambda stats: self.metrics.forward_pass(stats.sessions, stats.tokens), self.sessions,
             batching.parse_buckets(config.batch_token_buckets, config.max_batch_tokens, config.device))
 
-    def _load_model(self) -> tuple[models.CausalLM, str, parallel.Group | None]:
+    def _load_model(self) -> tuple[CausalLM, str, parallel.Group | None]:
         """This rank's model (its shard, in a tensor-parallel group), its dtype, and its group."""
         cfg, top = self.config, self.tensor_parallel
         if cfg.threads > 0:
@@ -177,7 +179,10 @@ class ModelHost:
             group = parallel.Group(top, device, cfg.tp_timeout_s, cfg.tp_start_timeout_s,
                                    f"model {cfg.model!r} in {dtype} over {top.size} ranks")
         placement = models.Placement(device, dtype, cfg.max_memory, tensor_parallel_size=top.size if top else 1)
+        if top is not None:
+            topology.check_shardable(AutoConfig.from_pretrained(models.resolve(cfg.model)), top.size)
         model = models.load_model(cfg.model, placement)
+        batching.use_batched_attention(model)
         quantize = cfg.quantize
         if group is None and placement.device_map is None and quantize != matmul.INT8:
             self.matmul_path, _ = matmul.apply(
@@ -193,7 +198,7 @@ class ModelHost:
             # It checks the architecture on the float weights instead. A draft's q may depend on
             # anything but this request's acceptance draws and stays exact (it is what the draft
             # sampled from); a target is never quantized.
-            self.batch_refusal = batching.batching_refusal(model)
+            self.batch_refusal, self.refusal_known = batching.batching_refusal(model), True
             model = models.quantize(model, replace(placement, quantize=quantize))
         self.quantized = quantize
         if group is not None:
@@ -231,8 +236,7 @@ class ModelHost:
                         for t, ms in pass_times.items()],
         )
         self.tokenizer = tokenizer
-        refusal = batching.batching_refusal(model) if isinstance(self.batch_refusal, batching.Probe) \
-            else self.batch_refusal
+        refusal = self.batch_refusal if self.refusal_known else batching.batching_refusal(model)
         self.scheduler.start(batching.TorchRunner(model), refusal)
         self.model = model
         log.info("loaded %s on %s (%s, matmul %s) in %.1fs, %d threads; passes (tokens: ms) "
@@ -315,7 +319,7 @@ class ModelHost:
             self.model.stop()
             self.model.group.close()
 
-    def ready_model(self) -> models.CausalLM:
+    def ready_model(self) -> CausalLM:
         if self.model is None:
             raise Unavailable("the model is still loading; wait for health SERVING")
         return self.model
@@ -338,10 +342,11 @@ class ModelHost:
                 self.sessions.reserve(session, tokens)
                 break
             except BudgetHeld:
-                # Sessions whose passes run now hold the room; it frees when the pass ends.
-                if time.perf_counter() - started > BUDGET_WAIT_S:
+                # Steps and passes under way hold the room; it may free when one ends.
+                left = BUDGET_WAIT_S - (time.perf_counter() - started)
+                if left <= 0:
                     raise
-                await asyncio.sleep(0.005)
+                await self.sessions.room_freed(left)
         session.in_step = True
         try:
             result = await fn(self.scheduler, *args)

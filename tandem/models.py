@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # torch is imported where it is used: the client commands never load it
     import torch
 
+    from tandem.lm import CausalLM
+
 log = logging.getLogger(__name__)
 
 
@@ -70,8 +72,6 @@ CONVERSION_FORMAT = 2
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 
-#: A loaded Hugging Face causal LM (transformers ships no precise types for them).
-CausalLM = Any
 
 DTYPES = ("float32", "bfloat16", "float16")
 #: --dtype auto: the fastest exact-enough choice for the hardware (see `auto_dtype`);
@@ -338,12 +338,8 @@ def load_model(ref: str, placement: Placement) -> CausalLM:
         kwargs["device_map"] = placement.device_map
         kwargs["max_memory"] = parse_max_memory(placement.max_memory)
     if placement.tensor_parallel_size > 1:
-        from transformers import AutoConfig
         from transformers.distributed.configuration_utils import DistributedConfig
 
-        from tandem.parallel import check_shardable
-
-        check_shardable(AutoConfig.from_pretrained(path), placement.tensor_parallel_size)
         kwargs["distributed_config"] = DistributedConfig(tp_plan="auto",
                                                          tp_size=placement.tensor_parallel_size)
     try:

@@ -28,96 +28,22 @@ import collections
 import datetime
 import logging
 import os
-import socket
-import subprocess
-import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from transformers import DynamicCache
 
 from tandem.errors import Unavailable
-
-if TYPE_CHECKING:  # torch loads with the model, never for a client command
-    import torch
+from tandem.lm import BatchCache
+from tandem.topology import ParallelError, Topology
 
 log = logging.getLogger(__name__)
-
-
-class ParallelError(Exception):
-    """A tensor-parallel group cannot be formed as configured, or a model cannot be sharded."""
-
-
-@dataclass(frozen=True)
-class Topology:
-    """Where this process sits in its tensor-parallel group."""
-
-    size: int  # ranks in the group
-    rank: int
-    master_addr: str  # rank 0's rendezvous (a TCPStore)
-    master_port: int
-    local_rank: int  # which of this machine's GPUs (CUDA)
-    spawns_followers: bool  # rank 0 starts ranks 1..size-1 on this machine
-
-    @property
-    def is_leader(self) -> bool:
-        return self.rank == 0
-
-
-def topology(size: int, rank: int, master: str, env: Mapping[str, str] = os.environ) -> Topology | None:
-    """This process's place, from the flags and else torchrun's variables; None: one rank.
-
-    Without a rank from either, this is rank 0 of a group on this machine: it picks a free
-    local port and starts the other ranks itself (`spawn_followers`).
-    """
-    if "WORLD_SIZE" in env and size > 1 and int(env["WORLD_SIZE"]) != size:
-        raise ParallelError(f"--tensor-parallel-size {size} but the launcher started "
-                            f"WORLD_SIZE={env['WORLD_SIZE']} ranks")
-    if size <= 1:
-        return None
-    if rank < 0 and "RANK" in env:
-        rank = int(env["RANK"])
-    if not master and "MASTER_ADDR" in env:
-        master = f"{env['MASTER_ADDR']}:{env.get('MASTER_PORT', '29500')}"
-    spawns = rank < 0
-    if spawns:
-        rank, master = 0, f"127.0.0.1:{free_port()}"
-    if not 0 <= rank < size:
-        raise ParallelError(f"--tp-rank {rank} is outside [0, {size}) for --tensor-parallel-size {size}")
-    if not master:
-        raise ParallelError(f"rank {rank} of {size} needs rank 0's rendezvous address: "
-                            "--tp-master HOST:PORT (or MASTER_ADDR and MASTER_PORT, as torchrun sets)")
-    host, _, port = master.rpartition(":")
-    if not host or not port.isdigit():
-        raise ParallelError(f"--tp-master must be HOST:PORT, got {master!r}")
-    local_rank = int(env.get("LOCAL_RANK", rank))
-    return Topology(size, rank, host, int(port), local_rank, spawns)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def spawn_followers(top: Topology, config: Any, label: str) -> list[subprocess.Popen[bytes]]:
-    """Start ranks 1..size-1 of a local group: this command again, each with its rank.
-
-    The configuration travels as TANDEM_* variables (every flag has one), so a follower
-    loads exactly what rank 0 loads; its output goes where rank 0's goes.
-    """
-    env = dict(os.environ)
-    for f in fields(config):
-        env[f"TANDEM_{f.name.upper()}"] = str(getattr(config, f.name))
-    env["TANDEM_TP_MASTER"] = f"{top.master_addr}:{top.master_port}"
-    children = []
-    for rank in range(1, top.size):
-        env["TANDEM_TP_RANK"] = str(rank)
-        env["LOCAL_RANK"] = str(rank)
-        children.append(subprocess.Popen([sys.executable, "-m", "tandem.cli", label], env=env))
-    return children
 
 
 @dataclass(frozen=True)
@@ -152,8 +78,6 @@ class Group:
                  identity: str) -> None:
         """Join the group. `identity` names what every rank must load alike (model, dtype,
         size): a rank that disagrees with rank 0 (say, half a rolling update) is refused."""
-        import torch.distributed as dist
-
         self.top = top
         self.timeout_s = timeout_s
         self.device = device
@@ -186,13 +110,9 @@ class Group:
                         datetime.timedelta(seconds=start_timeout_s))
 
     def send(self, message: Message) -> None:
-        import torch.distributed as dist
-
         dist.broadcast_object_list([message], src=0, group=self.control)
 
     def receive(self) -> Message:
-        import torch.distributed as dist
-
         box: list[Any] = [None]
         dist.broadcast_object_list(box, src=0, group=self.control)
         message = box[0]
@@ -200,8 +120,6 @@ class Group:
         return message
 
     def close(self) -> None:
-        import torch.distributed as dist
-
         if dist.is_initialized():
             dist.destroy_process_group()
         # The store's server threads are C++ threads: stopped here, not during interpreter exit.
@@ -209,8 +127,6 @@ class Group:
 
 
 def on_cpu(value: Any) -> Any:
-    import torch
-
     return value.cpu() if isinstance(value, torch.Tensor) else value
 
 
@@ -253,8 +169,6 @@ class Lockstep:
         return Message(tuple(frees), call, stop)
 
     def __call__(self, **kwargs: Any) -> Any:
-        from tandem.batching import BatchCache
-
         cache = kwargs.pop("cache", None)
         parts = cache.parts if isinstance(cache, BatchCache) else [] if cache is None else [(cache, 0)]
         call = Call({k: on_cpu(v) for k, v in kwargs.items()},
@@ -316,11 +230,6 @@ def follow(model: Any, group: Group, device: torch.device | str) -> None:
 
     Raises when rank 0 is gone or stalls past the timeout (the process exits non-zero).
     """
-    import torch
-    from transformers import DynamicCache
-
-    from tandem.batching import BatchCache
-
     caches: dict[int, Any] = {}
     while True:
         message = group.receive()
@@ -353,18 +262,3 @@ def follow(model: Any, group: Group, device: torch.device | str) -> None:
             kwargs["cache"] = mirrors[0][0]
         with torch.inference_mode():
             model(**kwargs)
-
-
-def check_shardable(config: Any, size: int) -> None:
-    """Refuse, naming the model type, a model that transformers cannot shard `size` ways."""
-    text = config.get_text_config()
-    model_type = getattr(text, "model_type", None) or getattr(config, "model_type", "?")
-    if not getattr(text, "base_model_tp_plan", None):
-        raise ParallelError(f"model type {model_type!r} declares no tensor-parallel plan "
-                            "(base_model_tp_plan) in transformers; serve it with "
-                            "--tensor-parallel-size 1, or split it over devices with --device auto")
-    for name in ("num_attention_heads", "num_key_value_heads"):
-        heads = getattr(text, name, None)
-        if heads and heads % size:
-            raise ParallelError(f"model type {model_type!r} has {name}={heads}, which "
-                                f"--tensor-parallel-size {size} does not divide")

@@ -10,7 +10,8 @@ p_1..p_{k+1} in one forward pass. Then, in order:
 
 The emitted tokens are distributed exactly as the target alone would sample them.
 p and q must be the distributions *after* the request's own temperature, top-k and
-top-p (see FIELD_NOTES: vLLM #10198, HF #47932), both in float32.
+top-p (a draft that reports its raw distribution while sampling from a warped one
+breaks the rule; vLLM #10198, transformers #47932), both in float32.
 
 The work is split across processes without changing the maths: the target service
 draws the recovered token for every position and the bonus token up front
@@ -185,7 +186,7 @@ def verify_tree(
     """Walk a tree of deterministic candidates from the root, keeping the target's exact law.
 
     The candidates are a function of the history alone (Medusa heads, Lookahead's n-gram
-    pool), so each is a one-hot draft (FIELD_NOTES). At a node whose children carry
+    pool), so each is a one-hot draft (q = 1 at the candidate). At a node whose children carry
     tokens c_1..c_m in tree order, starting from r = p:
 
         keep c_j with probability r(c_j) / sum(r), and descend into it;

@@ -32,7 +32,7 @@ import torch
 
 from tandem import sampling
 from tandem.kv import KVSession, Segment, tree_segment
-from target_service.proposers import Candidates
+from target_service.candidates import Candidates
 
 STATE_KEY = "lookahead"
 

@@ -40,8 +40,9 @@ from torch import nn
 
 from tandem import sampling
 from tandem.kv import KVSession, tree_segment
-from tandem.models import CausalLM, ModelError
-from target_service.proposers import NO_CANDIDATES, Candidates
+from tandem.lm import CausalLM
+from tandem.models import ModelError
+from target_service.candidates import NO_CANDIDATES, Candidates
 
 log = logging.getLogger(__name__)
 

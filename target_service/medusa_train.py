@@ -23,8 +23,11 @@ from pathlib import Path
 
 import torch
 
-from tandem.models import CausalLM
-from target_service.medusa import MedusaHeads
+from bench.prompts import humaneval
+from tandem import models
+from tandem.lm import CausalLM
+from tandem.server import configure_logging
+from target_service.medusa import MedusaHeads, save_heads
 
 log = logging.getLogger(__name__)
 
@@ -266,8 +269,6 @@ def load_texts(path: str, prompts: Sequence[Sequence[int]]) -> list[tuple[list[i
 
 def training_prompts(num_code: int, num_prose: int) -> list[str]:
     """HumanEval prompts after the benchmark's, then our own prose."""
-    from bench.prompts import humaneval
-
     code = [p.text for p in humaneval(BENCH_CODE_PROMPTS + num_code)[BENCH_CODE_PROMPTS:]]
     return code + list(TRAINING_PROSE[:num_prose])
 
@@ -307,10 +308,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> None:
-    from tandem import models
-    from tandem.server import configure_logging
-    from target_service.medusa import save_heads
-
     if args.text_only and not args.texts:
         raise SystemExit("--text-only needs --texts FILE to write the text to")
     if not args.text_only and not args.out:

@@ -1,72 +1,23 @@
-"""Proposers that live in the target: they need its forward pass (Lookahead) or its hidden states (Medusa).
-
-A target proposer builds a `Segment` of tokens to score after the step's history tokens,
-in the same forward pass, and names which of them form the token tree to verify. The
-seam follows transformers' candidate generators: `get_candidates` proposes from the
-session's soft state, `update_candidate_strategy` sees the pass and the verdict and
-updates that state for the next step.
-
-Losslessness needs only that the candidates are a function of the history (never of
-this step's random draws): `sampling.verify_tree` then keeps the target's exact law.
-"""
+"""The proposers that live in the target, by the proposer enum: they need its forward pass
+(Lookahead) or its hidden states (Medusa). What a proposer is: target_service/candidates.py."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
-
-import torch
-
-from tandem import sampling
-from tandem.kv import KVSession, Segment
+from tandem.lm import CausalLM
 from tandem.model_service import ModelServiceConfig
-from tandem.models import CausalLM
 from tandem.v1 import common_pb2
-
-
-@dataclass(frozen=True)
-class Candidates:
-    segment: Segment  # everything scored after the history this step
-    tree_nodes: tuple[int, ...]  # [m] segment indices that form the tree to verify, parents first
-    tree_parents: tuple[int, ...]  # [m] parent of each tree node, as an index into tree_nodes; -1: root
-
-    @property
-    def tree_token_ids(self) -> tuple[int, ...]:
-        return tuple(self.segment.token_ids[i] for i in self.tree_nodes)
-
-
-NO_CANDIDATES = Candidates(Segment((), (), torch.zeros(0, 0, dtype=torch.bool)), (), ())
-
-
-class TargetProposer(Protocol):
-    """One kind of proposer run by the target service (one instance per replica)."""
-
-    #: Whether update_candidate_strategy needs the last hidden states.
-    with_hidden: bool
-    #: The most tokens a segment holds: the KV room a step takes, beyond the history, during the pass.
-    max_segment_tokens: int
-
-    def get_candidates(self, session: KVSession, new_token_ids: list[int]) -> Candidates:
-        """The segment to score after `new_token_ids`, from the session's proposer_state."""
-
-    def update_candidate_strategy(self, session: KVSession, candidates: Candidates,
-                                  logits: torch.Tensor, hidden: torch.Tensor | None,
-                                  verdict: sampling.TreeVerdict) -> None:
-        """Learn from this step's pass: logits [1 + t, vocab] and hidden [1 + t, h] (row 0
-        after the last history token, row 1 + i after segment token i)."""
+from target_service.candidates import TargetProposer
+from target_service.lookahead import LookaheadConfig, LookaheadProposer
+from target_service.medusa import build_medusa
 
 
 def build_proposers(config: ModelServiceConfig, model: CausalLM) -> dict[int, TargetProposer]:
     """The target proposers this replica's configuration enables, keyed by common_pb2.Proposer."""
-    from target_service.lookahead import LookaheadConfig, LookaheadProposer
-
     proposers: dict[int, TargetProposer] = {}
     lookahead = LookaheadConfig.parse(config.lookahead)
     if lookahead is not None:
         proposers[common_pb2.PROPOSER_LOOKAHEAD] = LookaheadProposer(lookahead)
     if config.medusa_heads:
-        from target_service.medusa import build_medusa
-
         proposers[common_pb2.PROPOSER_MEDUSA] = build_medusa(config.medusa_heads,
                                                              config.medusa_choices, model)
     return proposers

@@ -10,7 +10,7 @@ from tandem import sampling
 from tandem.batching import Forward, Pass
 from tandem.kv import KVSession
 from tandem.model_service import Step
-from target_service.proposers import NO_CANDIDATES, TargetProposer
+from target_service.candidates import NO_CANDIDATES, TargetProposer
 
 
 @dataclass(frozen=True)

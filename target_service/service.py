@@ -15,7 +15,8 @@ from tandem.kv import KVSession
 from tandem.model_service import ModelHost, ModelServicer, sampling_from, step_from
 from tandem.server import handle_errors
 from tandem.v1 import common_pb2, target_pb2, target_pb2_grpc
-from target_service.proposers import TargetProposer, build_proposers
+from target_service.candidates import TargetProposer
+from target_service.proposers import build_proposers
 from target_service.scorer import propose_and_verify, score_block
 
 

@@ -216,7 +216,7 @@ def test_gpus_addressed(device: str, max_memory: str, gpus: int | None) -> None:
 
 
 def _tp_rank(env: dict[str, str]) -> int | None:
-    """The rank a target process takes (tandem.parallel.topology); None: rank 0 of a group it
+    """The rank a target process takes (tandem.topology.topology); None: rank 0 of a group it
     starts itself, in its own pod."""
     rank = int(env.get("TANDEM_TP_RANK", "-1"))
     if rank < 0 and "RANK" in env:

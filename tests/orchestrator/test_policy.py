@@ -302,3 +302,18 @@ def test_every_proposer_has_its_own_costs_over_one_deployment() -> None:
     other = costs.for_proposer()
     assert other.deployment is costs.deployment and other.verify_ms is costs.verify_ms
     assert other.draft_ms_per_token is not costs.draft_ms_per_token
+
+
+def test_a_draft_taking_turns_on_the_targets_cores_drafts_nothing_under_load() -> None:
+    """Found in the load sweep (2 cores, float32 target on oneDNN, the llama.cpp draft): at 2
+    clients the rule as if every block rode in one pass drafted, the two sessions fell into
+    turns (one drafting, one verifying, 1.0 sessions a pass) and gave 0.81x batched k=0."""
+    curve = {1: 452, 2: 530, 3: 579, 4: 620, 5: 663, 6: 700, 9: 803, 10: 856}
+    costs = steady(2, shared=True, draft_ms=50.0, curve={t: curve.get(t, 452 + 45.0 * t) for t in range(1, 200)},
+                   alpha=0.8)
+    costs.deployment.overlap = False  # --overlap auto beside the target: turns
+    assert costs.load_limit(0.8, 4) == 0
+    costs.deployment.overlap = True  # drafting ahead: every block in one pass, the draft's time charged
+    assert costs.load_limit(0.8, 4) > 0
+    costs.deployment.draft_shares_target = False  # a draft of its own: the target's pass alone
+    assert costs.load_limit(0.8, 4) == 4

@@ -27,14 +27,38 @@ SMALL = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_h
          "initializer_range": 0.3}
 
 
+def served(model: torch.nn.Module) -> torch.nn.Module:
+    """The model as a service runs it: batched passes attend one session at a time."""
+    batching.use_batched_attention(model)
+    return model.eval()
+
+
 def llama() -> torch.nn.Module:
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(**SMALL)).eval()
+    return served(LlamaForCausalLM(LlamaConfig(**SMALL)))
 
 
 def mistral() -> torch.nn.Module:
     torch.manual_seed(0)
-    return MistralForCausalLM(MistralConfig(**SMALL, sliding_window=8)).eval()
+    return served(MistralForCausalLM(MistralConfig(**SMALL, sliding_window=8)))
+
+
+def test_the_batched_attention_is_the_served_models_alone() -> None:
+    """Importing tandem.batching changes no attention; a served model's batched passes run
+    Tandem's, and another model in the same process keeps transformers' sdpa."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    assert AttentionInterface()["sdpa"] is sdpa_attention_forward
+    torch.manual_seed(0)
+    plain = LlamaForCausalLM(LlamaConfig(**SMALL)).eval()
+    ours = llama()
+    assert ours.config._attn_implementation == batching.BATCHED_ATTENTION
+    assert plain.config._attn_implementation == "sdpa"
+    assert AttentionInterface()["sdpa"] is sdpa_attention_forward
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    with torch.inference_mode():
+        assert torch.equal(plain(input_ids=ids).logits, ours(input_ids=ids).logits)
 
 
 def full_pass(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
@@ -370,8 +394,8 @@ def test_a_pass_nobody_waits_for_stops_at_the_next_layer(sessions: int) -> None:
             step.cancel()
         await asyncio.sleep(0)
         release.set()
-        while any(s.pending for s in held):
-            await asyncio.sleep(0.001)
+        for session in held:
+            await session.still()
         assert ran == [0]  # layers 1-3 never ran
         assert [s.length for s in held] == [3] * sessions
         for session, prompt in zip(held, prompts, strict=True):

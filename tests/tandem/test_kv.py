@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -158,19 +159,45 @@ def test_passes_record_the_tokens_the_cache_holds(model) -> None:  # type: ignor
 
 
 def test_a_session_whose_pass_is_running_is_never_evicted(model) -> None:  # type: ignore[no-untyped-def]
+    from tandem.batching import Pass, StepScheduler
     from tandem.errors import BudgetHeld, SessionEvicted
 
     table, (a, b) = _table_with(model, 15, 10, 5)
     _, c = table.open("c", vocab_size=40)
-    table.start_pass(a)
+    a.pending = 1  # a pass of a is queued or running (the scheduler counts it)
     with pytest.raises(BudgetHeld, match="held by other sessions' steps under way"):
         table.reserve(c, 10)  # evicting b (idle) would not make room while a's pass runs
     assert not a.evicted and not b.evicted  # so nothing is evicted for a refused step
-    table.end_pass(a)
+    a.pass_over()
     table.reserve(c, 10)  # a's pass is over: now a can go (least recently used), b need not
     assert a.evicted and not b.evicted
-    with pytest.raises(SessionEvicted):  # and a pass of a queued before its eviction is refused
-        table.start_pass(a)
+    with pytest.raises(SessionEvicted):  # and a pass of a submitted after its eviction is refused
+        asyncio.run(StepScheduler(4, 64, sessions=table)(Pass(a, 10, (1,))))
+    assert a.pending == 0
+
+
+def test_a_step_waiting_for_room_wakes_when_a_pass_ends(model) -> None:  # type: ignore[no-untyped-def]
+    """No polling: the waiter is woken by the end of the pass that held the room."""
+    table, (a, b) = _table_with(model, 15, 10, 5)
+    _, c = table.open("c", vocab_size=40)
+    a.pending = b.pending = 1
+
+    async def run() -> None:
+        with pytest.raises(BudgetHeld):
+            table.reserve(c, 10)
+        waiting = asyncio.ensure_future(table.room_freed(60.0))
+        still = asyncio.ensure_future(a.still())
+        await asyncio.sleep(0)
+        assert not waiting.done() and not still.done()
+        a.pass_over()
+        table.changed()
+        await asyncio.wait_for(asyncio.gather(waiting, still), 5.0)
+        table.reserve(c, 10)
+        assert a.evicted and not b.evicted
+
+    from tandem.errors import BudgetHeld
+
+    asyncio.run(run())
 
 
 def test_an_evicted_session_claims_no_room(model) -> None:  # type: ignore[no-untyped-def]

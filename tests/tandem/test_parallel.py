@@ -13,7 +13,7 @@ import pytest
 from tiny import make_model, make_tokenizer
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, Qwen2Config
 
-from tandem.parallel import ParallelError, check_shardable, topology
+from tandem.topology import ParallelError, check_shardable, topology
 
 TORCHRUN = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "10.0.0.7",
             "MASTER_PORT": "29400"}

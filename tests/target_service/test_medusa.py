@@ -21,6 +21,7 @@ from tandem import sampling
 from tandem.kv import KVSession
 from tandem.model_service import Step
 from tandem.models import ModelError
+from target_service.candidates import NO_CANDIDATES
 from target_service.medusa import (
     DEFAULT_CHOICES,
     MedusaHeads,
@@ -38,7 +39,6 @@ from target_service.medusa_train import (
     top1_accuracy,
     train_heads,
 )
-from target_service.proposers import NO_CANDIDATES
 
 
 @pytest.fixture(scope="module", autouse=True)

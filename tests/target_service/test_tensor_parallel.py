@@ -30,7 +30,7 @@ from tiny import PROMPTS, greedy_reference, make_tokenizer, noisy_copy, save_fam
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from tandem.launch import Process, Stack, spawn, start_stack, wait_serving
-from tandem.parallel import free_port
+from tandem.topology import free_port
 from tandem.v1 import common_pb2, target_pb2_grpc
 
 pytestmark = pytest.mark.slow  # stacks with two-rank targets: minutes (CI runs it)
