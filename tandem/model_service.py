@@ -146,10 +146,9 @@ class ModelHost:
         self.info: common_pb2.ModelInfo | None = None
         self.tokenizer: Any = None
         self.sessions = SessionTable(config.max_sessions, config.kv_budget_tokens)
-        # Why sessions cannot share a pass, where known before the model is served (the probe
-        # finds it out on the served model otherwise).
+        # Why sessions cannot share a pass, found on the float weights before a quantized model
+        # is served (otherwise the probe finds it out on the served model).
         self.batch_refusal: str | None = None
-        self.refusal_known = False
         self.matmul_path = matmul.DEFAULT
         self.new_cache: Callable[[], Any] = DynamicCache  # a session's empty cache
         self.quantized = ""  # what --quantize (auto: the timing) chose
@@ -198,7 +197,7 @@ class ModelHost:
             # It checks the architecture on the float weights instead. A draft's q may depend on
             # anything but this request's acceptance draws and stays exact (it is what the draft
             # sampled from); a target is never quantized.
-            self.batch_refusal, self.refusal_known = batching.batching_refusal(model), True
+            self.batch_refusal = batching.batching_refusal(model)
             model = models.quantize(model, replace(placement, quantize=quantize))
         self.quantized = quantize
         if group is not None:
@@ -236,7 +235,7 @@ class ModelHost:
                         for t, ms in pass_times.items()],
         )
         self.tokenizer = tokenizer
-        refusal = self.batch_refusal if self.refusal_known else batching.batching_refusal(model)
+        refusal = self.batch_refusal if self.quantized else batching.batching_refusal(model)
         self.scheduler.start(batching.TorchRunner(model), refusal)
         self.model = model
         log.info("loaded %s on %s (%s, matmul %s) in %.1fs, %d threads; passes (tokens: ms) "
