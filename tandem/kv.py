@@ -123,10 +123,7 @@ class KVSession:
         """One of its passes ran or was skipped (on the event loop, from the scheduler)."""
         self.pending -= 1
         if not self.pending:
-            for waiter in self._still:
-                if not waiter.done():
-                    waiter.set_result(None)
-            self._still.clear()
+            _wake(self._still)
 
     async def still(self) -> None:
         """Until no pass of it is queued or running: its cache is still."""
@@ -371,10 +368,7 @@ class SessionTable:
 
     def changed(self) -> None:
         """Wake the steps waiting for room: a session's claim may have shrunk."""
-        for waiter in self._room:
-            if not waiter.done():
-                waiter.set_result(None)
-        self._room.clear()
+        _wake(self._room)
 
     def settle(self, session: KVSession) -> None:
         """After a step: the session holds what its cache holds."""
@@ -384,3 +378,11 @@ class SessionTable:
     def close(self, handle: int) -> None:
         self._sessions.pop(handle, None)
         self.changed()
+
+
+def _wake(waiters: list[asyncio.Future[None]]) -> None:
+    """Resolve every waiter still waiting (a cancelled one is done already), and forget them."""
+    for waiter in waiters:
+        if not waiter.done():
+            waiter.set_result(None)
+    waiters.clear()
