@@ -26,6 +26,11 @@ class Admission:
         self.max_queued = max_queued
         self._slots = asyncio.Semaphore(max_running)
         self.admitted = 0  # running + queued
+        self.waiting = 0  # queued
+
+    @property
+    def running(self) -> int:
+        return self.admitted - self.waiting
 
     @contextlib.asynccontextmanager
     async def slot(self) -> AsyncIterator[None]:
@@ -38,9 +43,11 @@ class Admission:
         self.admitted += 1
         try:
             metrics.REQUESTS_QUEUED.inc()
+            self.waiting += 1
             try:
                 await self._slots.acquire()
             finally:
+                self.waiting -= 1
                 metrics.REQUESTS_QUEUED.dec()
             try:
                 yield

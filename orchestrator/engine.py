@@ -130,6 +130,9 @@ class Engine:
         self.costs: dict[str, CostModel] = collections.defaultdict(target_costs.for_proposer)
         self.default_proposer = config.proposer or ("draft-model" if self.has_drafts else "none")
         self.admission = Admission(config.max_concurrent_requests, config.max_queued_requests)
+        metrics.EPP_WAITING.set_function(lambda: self.admission.waiting)
+        metrics.EPP_RUNNING.set_function(lambda: self.admission.running)
+        metrics.EPP_KV_USAGE.set_function(self.kv_usage)
         self._kube: Any = None  # the DiscoveryV1Api client, when discovering replicas
         self._namespace = config.namespace
         self._discoveries: list[discovery.ServiceDiscovery] = []
@@ -248,6 +251,11 @@ class Engine:
                      "target take turns (--overlap on drafts ahead anyway)", address,
                      "CPUs " + ",".join(map(str, sorted(draft.cpu_ids))) if draft.device.startswith("cpu")
                      else draft.device)
+
+    def kv_usage(self) -> float:
+        """The mean share of their KV budgets the target replicas here route to last reported."""
+        replicas = [r for r in self.targets.replicas if not r.removed] if self.targets else []
+        return sum(r.kv_usage for r in replicas) / len(replicas) if replicas else 0.0
 
     async def close(self) -> None:
         """Stop discovery and close the replicas' channels (tests; a process just exits)."""

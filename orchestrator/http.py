@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API: a thin adapter over the engine, beside gRPC, in its event loop.
 
 POST /v1/completions and /v1/chat/completions (JSON, or server-sent events with `stream`),
-GET /v1/models, GET /health. Tandem's own knobs ride in the body as extra fields, as vLLM
+GET /v1/models, GET /health, GET /metrics (Prometheus). Tandem's own knobs ride in the body as extra fields, as vLLM
 does: `top_k`, `num_speculative_tokens`, `proposer`, `ignore_eos`. Errors use OpenAI's JSON
 shape: {"error": {"message", "type", "param", "code"}}.
 """
@@ -18,6 +18,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import prometheus_client
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -229,6 +230,7 @@ class HttpApi:
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.metrics, methods=["GET"]),
         ], exception_handlers={HttpError: _error_response})
         self._server: Any = None
 
@@ -244,6 +246,12 @@ class HttpApi:
         if self.engine.ready:
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "loading"}, status_code=503)
+
+    async def metrics(self, request: Request) -> Response:
+        """The Prometheus metrics of --metrics-port, on the API's port too, as model servers
+        serve them: an endpoint picker scrapes the port it routes to (InferencePool
+        targetPorts). Like /health, without the token."""
+        return Response(prometheus_client.generate_latest(), media_type=prometheus_client.CONTENT_TYPE_LATEST)
 
     async def models(self, request: Request) -> Response:
         self._admit(request)

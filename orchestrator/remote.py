@@ -40,6 +40,9 @@ class Replica:
     channel: Any = field(default=None, repr=False)
     # Set when a session on it broke: new sessions avoid it until then (event-loop time).
     failed_until: float = 0.0
+    # The share of its KV budget its caches held at its last answer (targets report it); 0
+    # again once no session of this orchestrator's is open there (what this one routes to it).
+    kv_usage: float = 0.0
 
 
 # A replica that broke a session is avoided this long; a restarted one is found again soon
@@ -138,6 +141,8 @@ class ReplicaPool:
 
     def release(self, replica: Replica) -> None:
         replica.active_sessions -= 1
+        if replica.active_sessions == 0:
+            replica.kv_usage = 0.0
         if replica.removed and replica.active_sessions == 0:
             self._close(replica)
 
@@ -308,6 +313,8 @@ class TargetSession(RemoteSession):
         TargetScores, or TreeCommit."""
         response = await self._step("ScoreBlocks", lambda synced: wire.score_request_to_proto(
             self.session_id, synced, history[synced:], block, self.proposer, params, seed))
+        if self.replica is not None:
+            self.replica.kv_usage = response.kv_cache_usage
         result = wire.target_result_from_proto(response)
         if result is None or isinstance(result, TreeCommit) != bool(self.proposer):
             where = self.replica.address if self.replica else "?"

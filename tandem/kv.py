@@ -288,6 +288,11 @@ class SessionTable:
     def cached_tokens(self) -> int:
         return sum(s.length for s in self._sessions.values())
 
+    def usage(self) -> float:
+        """The share of the KV budget the caches hold, 0 to 1 (0 without a budget)."""
+        budget = self.kv_budget_tokens
+        return min(1.0, self.cached_tokens / budget) if budget else 0.0
+
     @property
     def tail_tokens(self) -> int:
         """Tokens held in speculative tails (drafted ahead), over all sessions."""

@@ -49,6 +49,17 @@ REQUESTS = Counter("tandem_requests", "Finished requests by RPC method and gRPC 
 REQUESTS_IN_FLIGHT = Gauge("tandem_requests_in_flight", "Requests being served now.", ["method"])
 REQUESTS_QUEUED = Gauge("tandem_requests_queued",
                         "Admitted requests waiting for a running slot (--max-concurrent-requests).")
+# The signals an endpoint picker reads to route a request to an orchestrator, as the Gateway
+# API Inference Extension's model-server protocol defines them (queued requests, running
+# requests, KV-cache utilisation as a fraction), named in vLLM's style under Tandem's prefix
+# (k8s/overlays/inference-gateway maps them for the picker). Set from the engine at scrape time.
+EPP_WAITING = Gauge("tandem:num_requests_waiting",
+                    "Requests admitted here and waiting for a running slot.")
+EPP_RUNNING = Gauge("tandem:num_requests_running", "Requests generating here now.")
+EPP_KV_USAGE = Gauge("tandem:kv_cache_usage_perc",
+                     "Share of the KV budget (--kv-budget-tokens) the target replicas' caches hold, "
+                     "0 to 1: the mean over the replicas this orchestrator routes to, as each last "
+                     "reported it (0 for one without a budget).")
 REQUEST_SECONDS = Histogram("tandem_request_duration_seconds", "Wall time of a request.",
                             ["method"], buckets=SECONDS_BUCKETS)
 TIME_TO_FIRST_TOKEN = Histogram("tandem_time_to_first_token_seconds",

@@ -98,10 +98,12 @@ class ModelServiceConfig(ServerSecurityConfig):
                                        "serves. Without --tp-rank (or torchrun's RANK), rank 0 "
                                        "starts ranks 1..N-1 on this machine")
     tp_rank: int = option(-1, "this process's rank in a tensor-parallel group that spans "
-                          "machines (-1: RANK from the environment, as torchrun sets it; else 0, "
-                          "with the other ranks started locally)")
+                          "machines (-1: RANK from the environment, as torchrun sets it, or "
+                          "LWS_WORKER_INDEX, as a LeaderWorkerSet does; else 0, with the other "
+                          "ranks started locally)")
     tp_master: str = option("", "rank 0's rendezvous HOST:PORT for a group that spans machines "
-                            "(default: MASTER_ADDR:MASTER_PORT, as torchrun sets them)")
+                            "(default: MASTER_ADDR:MASTER_PORT, as torchrun sets them, or a "
+                            "LeaderWorkerSet's LWS_LEADER_ADDRESS on MASTER_PORT or 29500)")
     tp_timeout_s: float = option(60.0, "a rank that fails or stalls a collective for this long "
                                  "stops the replica: NOT_SERVING, then exit non-zero")
     tp_start_timeout_s: float = option(1800.0, "how long the ranks of a tensor-parallel group "

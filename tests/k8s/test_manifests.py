@@ -9,10 +9,22 @@ import dataclasses
 import json
 from collections.abc import Callable
 
+import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from k8s_manifests import COMPONENTS, K8S, OVERLAYS, Doc, Manifests, container_of, pod_of, render
+from k8s_manifests import (
+    COMPONENTS,
+    K8S,
+    OVERLAYS,
+    Doc,
+    Manifests,
+    container_of,
+    crd_schemas,
+    pod_of,
+    render,
+    validate_custom_resource,
+)
 from kubernetes_validate.utils import SchemaNotFoundError, latest_version
 
 from orchestrator.config import OrchestratorConfig
@@ -56,6 +68,13 @@ def test_every_document_validates_strictly(rendered: dict[str, Manifests], overl
                                          "RoleBinding", "ServiceAccount", "NetworkPolicy",
                                          "PodDisruptionBudget", "HorizontalPodAutoscaler"}
     for doc in docs:
+        if (doc["apiVersion"], doc["kind"]) in crd_schemas():  # a custom resource of k8s/crds
+            try:
+                validate_custom_resource(doc)
+            except jsonschema.ValidationError as exc:
+                path = ".".join(str(p) for p in exc.absolute_path)
+                pytest.fail(f"{overlay}: {_name(doc)} is invalid against its CRD at {path}: {exc.message}")
+            continue
         try:
             kubernetes_validate.validate(doc, version, strict=True)
         except kubernetes_validate.ValidationError as exc:
@@ -63,8 +82,8 @@ def test_every_document_validates_strictly(rendered: dict[str, Manifests], overl
             pytest.fail(f"{overlay}: {_name(doc)} is invalid for Kubernetes {version} at {path}: "
                         f"{exc.message}")
         except SchemaNotFoundError:
-            pytest.fail(f"{overlay}: {_name(doc)} is a custom resource; keep those in "
-                        "k8s/examples/, out of the overlays")
+            pytest.fail(f"{overlay}: {_name(doc)} is a custom resource with no CRD in k8s/crds; "
+                        "keep its CRD there, or the resource in k8s/examples/")
 
 
 def test_strict_validation_catches_a_misspelt_field(rendered: dict[str, Manifests]) -> None:
@@ -73,6 +92,22 @@ def test_strict_validation_catches_a_misspelt_field(rendered: dict[str, Manifest
     deployment["spec"]["template"]["spec"]["containers"][0]["livenessProbes"] = {}
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(deployment, KUBERNETES_VERSIONS[-1], strict=True)
+
+
+def test_custom_resource_validation_catches_a_misspelt_field_and_a_missing_one() -> None:
+    """Guards the custom resources' validation against validating nothing."""
+    pool = {"apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
+            "metadata": {"name": "p"},
+            "spec": {"selector": {"matchLabels": {"a": "b"}}, "targetPorts": [{"number": 8000}]}}
+    validate_custom_resource(pool)
+    misspelt = copy.deepcopy(pool)
+    misspelt["spec"]["targetPort"] = misspelt["spec"].pop("targetPorts")
+    with pytest.raises(jsonschema.ValidationError):
+        validate_custom_resource(misspelt)
+    missing = copy.deepcopy(pool)
+    del missing["spec"]["selector"]
+    with pytest.raises(jsonschema.ValidationError):
+        validate_custom_resource(missing)
 
 
 def test_examples_validate_or_are_documented_custom_resources() -> None:

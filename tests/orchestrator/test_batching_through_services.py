@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from laws import ALPHA, T1, exact_law, p_value, rows, sample_cells, small_pair
 from replicas import GAUGES, wait_for_baseline
-from tiny import greedy_reference, random_prompts
+from tiny import greedy_reference, random_prompts, speculated
 
 from tandem.launch import Process, Stack, start_stack
 
@@ -54,6 +54,9 @@ def test_sixteen_mixed_sessions_sharing_passes_each_equal_the_target_alone(
 
     def request(i: int) -> list[int]:
         with stack.client() as client:
+            k = settings[i]["num_speculative_tokens"]
+            if settings[i]["proposer"] == "draft-model" and k:  # every step drafted k, shared or not
+                return speculated(client, prompts[i], LENGTH, k)[0]  # type: ignore[arg-type]
             return list(client.generate(prompts[i], max_new_tokens=LENGTH, ignore_eos=True,
                                         **settings[i]).token_ids)  # type: ignore[arg-type]
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from laws import ALPHA, PARAMS_ID, SAMPLES, T1, exact_law, p_value, rows, sample_cells, small_pair
 from replicas import replica_state, wait_for, wait_for_baseline
-from tiny import PROMPTS, greedy_reference, make_draft_like, random_prompts
+from tiny import PROMPTS, greedy_reference, make_draft_like, random_prompts, speculated
 
 from tandem.launch import Stack, start_stack
 from tandem.sampling import SamplingParams
@@ -49,11 +49,11 @@ def test_greedy_with_overlap_equals_the_target_alone(stack: Stack, k: int, refer
     hits = misses = 0
     with stack.client() as client:
         for prompt in PROMPTS[:3]:
-            reply = client.generate(prompt, max_new_tokens=LENGTH, num_speculative_tokens=k, ignore_eos=True)
-            assert list(reply.token_ids) == reference(prompt, LENGTH), (stack.kind, k, prompt)  # type: ignore[attr-defined]
-            hits += reply.usage.draft_cache_hits
-            misses += reply.usage.draft_cache_misses
-            assert reply.usage.draft_wait_ms > 0
+            tokens, usage = speculated(client, prompt, LENGTH, k)
+            assert tokens == reference(prompt, LENGTH), (stack.kind, k, prompt)  # type: ignore[attr-defined]
+            hits += usage.draft_cache_hits
+            misses += usage.draft_cache_misses
+            assert usage.draft_wait_ms > 0
     if stack.kind == "agrees":  # type: ignore[attr-defined]
         # Every guess is right; a miss is a step that came before the guess was made.
         assert hits > misses, (hits, misses)

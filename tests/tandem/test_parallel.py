@@ -37,6 +37,18 @@ def test_torchrun_variables_place_the_rank() -> None:
         (1, 1, "10.0.0.7", 29400, False)
 
 
+LWS = {"LWS_WORKER_INDEX": "1", "LWS_GROUP_SIZE": "2", "LWS_LEADER_ADDRESS": "tandem-target-3.tandem-target.tandem"}
+
+
+def test_a_leader_worker_sets_variables_place_the_rank() -> None:
+    top = topology(2, -1, "", LWS)
+    assert top is not None
+    assert (top.rank, top.local_rank, top.master_addr, top.master_port, top.spawns_followers) == \
+        (1, 0, "tandem-target-3.tandem-target.tandem", 29500, False)
+    leader = topology(2, -1, "", {**LWS, "LWS_WORKER_INDEX": "0"})
+    assert leader is not None and leader.is_leader and not leader.spawns_followers
+
+
 def test_flags_override_the_launcher() -> None:
     top = topology(2, 0, "rank0.tandem:29500", TORCHRUN)
     assert top is not None
@@ -45,6 +57,7 @@ def test_flags_override_the_launcher() -> None:
 
 @pytest.mark.parametrize("size, rank, master, env, message", [
     (4, -1, "", TORCHRUN, "WORLD_SIZE=2"),
+    (4, -1, "", LWS, "LWS_GROUP_SIZE=2"),
     (2, 2, "h:1", {}, "outside [0, 2)"),
     (2, 1, "", {}, "--tp-master"),
     (2, 1, "no-port", {}, "HOST:PORT"),

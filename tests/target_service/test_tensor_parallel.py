@@ -26,7 +26,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from laws import ALPHA, PARAMS_ID, T1, TRUNCATED, exact_law, p_value, rows, sample_cells, small_pair
 from replicas import FAULT_LENGTH, alive, children, stream_with_fault, wait_for
-from tiny import PROMPTS, greedy_reference, make_tokenizer, noisy_copy, save_family
+from tiny import PROMPTS, greedy_reference, make_tokenizer, noisy_copy, save_family, speculated
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from tandem.launch import Process, Stack, spawn, start_stack, wait_serving
@@ -83,13 +83,17 @@ def test_greedy_output_equals_the_target_alone(family: tuple[Path, Stack], k: in
     target, stack = family
     prompts = [prompt_ids(p) for p in PROMPTS]
     with stack.client() as client, ThreadPoolExecutor(max_workers=4) as pool:
-        replies = list(pool.map(lambda p: client.generate(p, max_new_tokens=LENGTH, num_speculative_tokens=k,
-                                                          ignore_eos=True), prompts))
-    for prompt, reply in zip(prompts, replies, strict=True):
-        assert list(reply.token_ids) == greedy_reference(target, prompt, LENGTH)
+        if k:  # every step drafted k (no fallback)
+            replies = list(pool.map(lambda p: speculated(client, p, LENGTH, k), prompts))
+        else:
+            replies = [(list(r.token_ids), r.usage) for r in pool.map(
+                lambda p: client.generate(p, max_new_tokens=LENGTH, num_speculative_tokens=0,
+                                          ignore_eos=True), prompts)]
+    for prompt, (tokens, _) in zip(prompts, replies, strict=True):
+        assert tokens == greedy_reference(target, prompt, LENGTH)
     if k:
-        drafted = sum(r.usage.drafted_tokens for r in replies)
-        accepted = sum(r.usage.accepted_tokens for r in replies)
+        drafted = sum(usage.drafted_tokens for _, usage in replies)
+        accepted = sum(usage.accepted_tokens for _, usage in replies)
         assert 0 < accepted < drafted  # blocks were kept and rolled back
 
 
