@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
-from tandem import metrics
 from tandem.errors import ResourceExhausted
 
 
@@ -42,13 +41,11 @@ class Admission:
                 "(--max-queued-requests); retry later")
         self.admitted += 1
         try:
-            metrics.REQUESTS_QUEUED.inc()
             self.waiting += 1
             try:
                 await self._slots.acquire()
             finally:
                 self.waiting -= 1
-                metrics.REQUESTS_QUEUED.dec()
             try:
                 yield
             finally:

@@ -130,7 +130,8 @@ class Engine:
         self.costs: dict[str, CostModel] = collections.defaultdict(target_costs.for_proposer)
         self.default_proposer = config.proposer or ("draft-model" if self.has_drafts else "none")
         self.admission = Admission(config.max_concurrent_requests, config.max_queued_requests)
-        metrics.EPP_WAITING.set_function(lambda: self.admission.waiting)
+        for waiting in (metrics.REQUESTS_QUEUED, metrics.EPP_WAITING):
+            waiting.set_function(lambda: self.admission.waiting)
         metrics.EPP_RUNNING.set_function(lambda: self.admission.running)
         metrics.EPP_KV_USAGE.set_function(self.kv_usage)
         self._kube: Any = None  # the DiscoveryV1Api client, when discovering replicas

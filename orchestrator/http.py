@@ -1,9 +1,9 @@
 """The OpenAI-compatible HTTP API: a thin adapter over the engine, beside gRPC, in its event loop.
 
 POST /v1/completions and /v1/chat/completions (JSON, or server-sent events with `stream`),
-GET /v1/models, GET /health, GET /metrics (Prometheus). Tandem's own knobs ride in the body as extra fields, as vLLM
-does: `top_k`, `num_speculative_tokens`, `proposer`, `ignore_eos`. Errors use OpenAI's JSON
-shape: {"error": {"message", "type", "param", "code"}}.
+GET /v1/models, GET /health, GET /metrics (Prometheus). Tandem's own knobs ride in the body
+as extra fields, as vLLM does: `top_k`, `num_speculative_tokens`, `proposer`, `ignore_eos`.
+Errors use OpenAI's JSON shape: {"error": {"message", "type", "param", "code"}}.
 """
 
 from __future__ import annotations
