@@ -113,7 +113,7 @@ def _serve_model(args: argparse.Namespace, label: str) -> None:
     host = ModelHost(cfg, top)
     if top is not None and not top.is_leader:
         try:
-            host.follow()
+            host.follow(label)
         except Exception as exc:  # noqa: BLE001 - a follower's end is its exit status
             log.error("tensor-parallel rank %d: %s: %s", top.rank, type(exc).__name__, exc)
             sys.exit(1)

@@ -28,7 +28,7 @@ from tandem.lm import CausalLM
 from tandem.metrics import ReplicaMetrics
 from tandem.sampling import SamplingParams, validate
 from tandem.security import ServerSecurityConfig
-from tandem.server import MAX_MESSAGE_BYTES, handle_errors
+from tandem.server import MAX_MESSAGE_BYTES, handle_errors, serve_liveness
 from tandem.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -292,22 +292,33 @@ class ModelHost:
                  ", ".join(f"{t}: {ms:.1f}" for t, ms in pass_times.items()),
                  engine.kv_bytes_per_token(), budget)
 
-    def follow(self) -> None:
+    def follow(self, label: str) -> None:
         """A follower rank's life: load its shard, then repeat rank 0's forward calls.
 
         It ignores SIGTERM and SIGINT: rank 0 drains in-flight requests on a stop, which needs
-        every rank, and then tells the followers to exit (or they find it gone).
+        every rank, and then tells the followers to exit (or they find it gone). From the
+        start it answers gRPC health for a liveness probe, in plaintext, on --health-port where
+        that is set, else --port: NOT_SERVING once rank 0 has not reached it within
+        --tp-timeout-s (parallel.Pulse).
         """
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_IGN)
-        model, _, group = self._load_model()
-        assert group is not None, "only ranks of a tensor-parallel group follow"
-        log.info("tensor-parallel rank %d of %d: loaded %s, following rank 0",
-                 group.top.rank, group.top.size, self.config.model)
+        cfg, top = self.config, self.tensor_parallel
+        assert top is not None and not top.is_leader, "only ranks 1..N-1 of a group follow"
+        pulse = parallel.Pulse(cfg.tp_timeout_s)
+        liveness, _ = serve_liveness(f"{label} rank {top.rank}", cfg.host,
+                                  cfg.health_port if cfg.health_port >= 0 else cfg.port, pulse.alive)
         try:
-            parallel.follow(model, group, model.get_input_embeddings().weight.device)
+            model, _, group = self._load_model()
+            assert group is not None
+            log.info("tensor-parallel rank %d of %d: loaded %s, following rank 0",
+                     top.rank, top.size, cfg.model)
+            try:
+                parallel.follow(model, group, model.get_input_embeddings().weight.device, pulse)
+            finally:
+                group.close()
         finally:
-            group.close()
+            liveness.stop(0)
 
     def _stop_on_failure(self, exc: BaseException) -> None:
         """A rank failed: refuse the rest (Lockstep does), drain, and exit non-zero."""

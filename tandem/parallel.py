@@ -19,7 +19,9 @@ its key, sent with the next message). Control messages travel on a gloo group of
 Failure: every collective is bounded by `tp_timeout_s`. A rank that dies breaks its
 connections at once; one that stalls times out. Rank 0 then refuses every later step
 (UNAVAILABLE), turns NOT_SERVING and exits non-zero (`ModelHost.failure`), so that
-Kubernetes restarts the group; a follower that loses rank 0 exits non-zero too.
+Kubernetes restarts the group; a follower that loses rank 0 exits non-zero too. A follower
+also answers gRPC health for a liveness probe (`Pulse`): NOT_SERVING once rank 0 has not
+reached it within `tp_timeout_s`, so a hung rank is found even where no collective times out.
 """
 
 from __future__ import annotations
@@ -126,6 +128,22 @@ class Group:
         self.store = None
 
 
+class Pulse:
+    """When rank 0 last reached this follower: a message received or a call made. It is alive
+    while that is within `timeout_s`, and before the first (the rendezvous and the load have
+    their own bound, `tp_start_timeout_s`)."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.last: float | None = None
+
+    def beat(self) -> None:
+        self.last = time.monotonic()
+
+    def alive(self) -> bool:
+        return self.last is None or time.monotonic() - self.last <= self.timeout_s
+
+
 def on_cpu(value: Any) -> Any:
     return value.cpu() if isinstance(value, torch.Tensor) else value
 
@@ -225,14 +243,17 @@ class Lockstep:
                     log.warning("could not tell the tensor-parallel ranks to stop: %s", exc)
 
 
-def follow(model: Any, group: Group, device: torch.device | str) -> None:
-    """A follower's life: repeat rank 0's forward calls on this shard until it stops.
+def follow(model: Any, group: Group, device: torch.device | str, pulse: Pulse) -> None:
+    """A follower's life: repeat rank 0's forward calls on this shard until it stops, beating
+    `pulse` on every message and call.
 
     Raises when rank 0 is gone or stalls past the timeout (the process exits non-zero).
     """
     caches: dict[int, Any] = {}
+    pulse.beat()
     while True:
         message = group.receive()
+        pulse.beat()
         for key in message.frees:
             caches.pop(key, None)
         if message.stop:
@@ -262,3 +283,4 @@ def follow(model: Any, group: Group, device: torch.device | str) -> None:
             kwargs["cache"] = mirrors[0][0]
         with torch.inference_mode():
             model(**kwargs)
+        pulse.beat()

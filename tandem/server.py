@@ -20,6 +20,7 @@ string field) with INVALID_ARGUMENT naming the field, where grpc would answer UN
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import inspect
 import logging
@@ -195,6 +196,33 @@ async def serve(services: list[Service], label: str, host: str, port: int,
     finally:
         if exporter is not None:
             exporter.stop()
+
+
+class _Liveness(health_pb2_grpc.HealthServicer):  # type: ignore[misc]
+    """gRPC health that asks `alive` at every check, whichever service it names."""
+
+    def __init__(self, alive: Callable[[], bool]) -> None:
+        self.alive = alive
+
+    def Check(self, request: Any, context: Any) -> Any:
+        return health_pb2.HealthCheckResponse(
+            status=health_pb2.HealthCheckResponse.SERVING if self.alive()
+            else health_pb2.HealthCheckResponse.NOT_SERVING)
+
+
+def serve_liveness(label: str, host: str, port: int,
+                   alive: Callable[[], bool]) -> tuple[grpc.Server, int]:
+    """Serve gRPC health alone, in plaintext, on threads of its own, for a process that serves
+    nothing else (a tensor-parallel follower): SERVING while `alive()`. Prints where; returns
+    the server and its port."""
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="liveness"))
+    health_pb2_grpc.add_HealthServicer_to_server(_Liveness(alive), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind {host}:{port}")
+    server.start()
+    print(f"tandem {label} liveness (plaintext) on {host}:{bound}", flush=True)
+    return server, bound
 
 
 def _on_daemon_thread(fn: Callable[[], Any]) -> asyncio.Future[Any]:

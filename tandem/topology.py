@@ -85,12 +85,14 @@ def spawn_followers(top: Topology, config: Any, label: str) -> list[subprocess.P
     """Start ranks 1..size-1 of a local group: this command again, each with its rank.
 
     The configuration travels as TANDEM_* variables (every flag has one), so a follower
-    loads exactly what rank 0 loads; its output goes where rank 0's goes.
+    loads exactly what rank 0 loads, but on ports of its own; its output goes where rank 0's goes.
     """
     env = dict(os.environ)
     for f in fields(config):
         env[f"TANDEM_{f.name.upper()}"] = str(getattr(config, f.name))
     env["TANDEM_TP_MASTER"] = f"{top.master_addr}:{top.master_port}"
+    # Rank 0 holds the service's ports, and watches its own followers: theirs are any free one.
+    env["TANDEM_PORT"], env["TANDEM_HEALTH_PORT"] = "0", "-1"
     children = []
     for rank in range(1, top.size):
         env["TANDEM_TP_RANK"] = str(rank)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import re
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,7 @@ K8S = ROOT / "k8s"
 OVERLAYS = sorted(p.name for p in (K8S / "overlays").iterdir() if (p / "kustomization.yaml").exists())
 COMPONENTS = ("draft", "target", "orchestrator")
 WORKLOAD_KINDS = ("Deployment", "StatefulSet")
+LWS = ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet")
 # The label a StatefulSet's controller sets on each pod to its ordinal (Kubernetes >= 1.28).
 POD_INDEX = "apps.kubernetes.io/pod-index"
 
@@ -36,6 +37,7 @@ def render(kustomization: Path) -> list[Doc]:
 class Manifests:
     overlay: str
     docs: list[Doc]
+    _roles: dict[int, list[Doc]] = field(default_factory=dict)  # each LeaderWorkerSet's, made once
 
     def of_kind(self, kind: str) -> list[Doc]:
         return [d for d in self.docs if d["kind"] == kind]
@@ -47,10 +49,18 @@ class Manifests:
 
     def workloads(self, component: str) -> list[Doc]:
         """Every Deployment or StatefulSet whose pods run the component: for a tensor-parallel
-        target, rank 0's and its followers'."""
-        return [d for d in self.docs if d["kind"] in WORKLOAD_KINDS
-                and d["spec"]["template"]["metadata"]["labels"].get("app.kubernetes.io/component")
+        target, rank 0's and its followers'. A LeaderWorkerSet counts as two (`lws_roles`)."""
+        pod_sets = [view for d in self.docs if (d["apiVersion"], d["kind"]) == LWS
+                    for view in self._roles.setdefault(id(d), lws_roles(d))]
+        pod_sets += [d for d in self.docs if d["kind"] in WORKLOAD_KINDS]
+        return [d for d in pod_sets
+                if d["spec"]["template"]["metadata"]["labels"].get("app.kubernetes.io/component")
                 == component]
+
+    def leader_worker_set(self, component: str) -> Doc | None:
+        """The LeaderWorkerSet whose pods run the component, if one does."""
+        found = [w["lws"] for w in self.workloads(component) if "lws" in w]
+        return found[0] if found else None
 
     def workload(self, component: str) -> Doc:
         """The one that serves the component, tandem-<component>: a tensor-parallel target's rank 0."""
@@ -90,6 +100,8 @@ class Manifests:
         if workload["kind"] == "StatefulSet":
             labels[POD_INDEX] = str(ordinal)
         values: dict[str, str] = {}
+        if "lws" in workload:  # what the LWS controller sets, before the template's own
+            values.update(lws_env(workload, ordinal))
         for source in container.get("envFrom", []):
             values.update(self.get("ConfigMap", source["configMapRef"]["name"]).get("data", {}))
         for item in container.get("env", []):
@@ -102,6 +114,35 @@ class Manifests:
                 value = labels.get(label.group(1), "") if label else "<from valueFrom>"
             values[item["name"]] = value
         return values
+
+
+def lws_roles(lws: Doc) -> list[Doc]:
+    """A LeaderWorkerSet's two kinds of pod, each as a workload of its own that shares the
+    LeaderWorkerSet's pod template (so an edit to one edits the LeaderWorkerSet): the leader,
+    named after it, with a pod per group; the workers, `<name>-worker`, with size - 1 pods per
+    group. Each keeps the LeaderWorkerSet under "lws", and "leads": pod j of the leader
+    is group j's, pod j of the workers is worker j + 1 of group 0."""
+    name, template = lws["metadata"]["name"], lws["spec"]["leaderWorkerTemplate"]
+    size = template.get("size", 1)
+    roles = [{"kind": "LeaderWorkerSet", "metadata": {"name": name},
+              "spec": {"template": template.get("leaderTemplate", template["workerTemplate"])},
+              "lws": lws, "leads": True}]
+    if size > 1:
+        roles.append({"kind": "LeaderWorkerSet", "metadata": {"name": f"{name}-worker"},
+                      "spec": {"template": template["workerTemplate"]},
+                      "lws": lws, "leads": False})
+    return roles
+
+
+def lws_env(role: Doc, ordinal: int) -> dict[str, str]:
+    """The variables the LeaderWorkerSet controller gives pod `ordinal` of a role (lws_roles):
+    rank 0's address by the headless Service it creates, named after the LeaderWorkerSet."""
+    lws = role["lws"]
+    name, namespace = lws["metadata"]["name"], lws["metadata"].get("namespace", "default")
+    group, index = (ordinal, 0) if role["leads"] else (0, ordinal + 1)
+    return {"LWS_LEADER_ADDRESS": f"{name}-{group}.{name}.{namespace}",
+            "LWS_GROUP_SIZE": str(lws["spec"]["leaderWorkerTemplate"].get("size", 1)),
+            "LWS_WORKER_INDEX": str(index)}
 
 
 def pod_of(workload: Doc) -> Doc:

@@ -29,6 +29,7 @@ from kubernetes_validate.utils import SchemaNotFoundError, latest_version
 
 from orchestrator.config import OrchestratorConfig
 from tandem.model_service import ModelServiceConfig
+from tandem.topology import DEFAULT_MASTER_PORT
 
 # The oldest Kubernetes the manifests support: the preStop `sleep` action is on by default
 # from 1.30 (native gRPC probes from 1.27). And the newest the validator knows.
@@ -254,22 +255,25 @@ def _tp_rank(env: dict[str, str]) -> int | None:
     """The rank a target process takes (tandem.topology.topology); None: rank 0 of a group it
     starts itself, in its own pod."""
     rank = int(env.get("TANDEM_TP_RANK", "-1"))
-    if rank < 0 and "RANK" in env:
-        rank = int(env["RANK"])
+    for variable in ("RANK", "LWS_WORKER_INDEX"):
+        if rank < 0 and variable in env:
+            rank = int(env[variable])
     return rank if rank >= 0 else None
 
 
 def gpus_needed(env: dict[str, str]) -> int | None:
     """How many GPUs a target pod's settings address; None: a device map over every GPU.
 
-    On CUDA a tensor-parallel rank takes cuda:LOCAL_RANK, and LOCAL_RANK defaults to its rank;
-    a rank 0 that starts the other ranks itself puts them on cuda:0..N-1 of its own pod.
+    On CUDA a tensor-parallel rank takes cuda:LOCAL_RANK, and LOCAL_RANK defaults to its rank
+    (to 0 in a LeaderWorkerSet's pod); a rank 0 that starts the other ranks itself puts them on
+    cuda:0..N-1 of its own pod.
     """
     size = int(env.get("TANDEM_TENSOR_PARALLEL_SIZE", "1"))
     device = env.get("TANDEM_DEVICE", "cpu")
     if size > 1 and device.startswith("cuda"):
         rank = _tp_rank(env)
-        return size if rank is None else int(env.get("LOCAL_RANK", rank)) + 1
+        default = 0 if "LWS_WORKER_INDEX" in env else rank
+        return size if rank is None else int(env.get("LOCAL_RANK", default)) + 1
     return gpus_addressed(device, env.get("TANDEM_MAX_MEMORY", ""))
 
 
@@ -513,7 +517,7 @@ def test_images_are_pinned_and_shared(manifests: Manifests) -> None:
 
 
 def test_the_hpa_owns_the_orchestrator_replica_count(manifests: Manifests) -> None:
-    [hpa] = manifests.of_kind("HorizontalPodAutoscaler")
+    hpa = manifests.get("HorizontalPodAutoscaler", "tandem-orchestrator")
     assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment",
                                              "name": "tandem-orchestrator"}
     assert "replicas" not in manifests.workload("orchestrator")["spec"], \
@@ -582,7 +586,8 @@ def test_the_base_renders_and_validates_on_its_own() -> None:
 
 # --- tensor-parallel target groups ----------------------------------------------------------
 # A tensor-parallel target replica is a group of pods, one per rank: pod g of each rank's
-# StatefulSet belongs to group g. Rank 0 serves; the other ranks (followers) only compute.
+# StatefulSet belongs to group g (the gpu overlay), or a LeaderWorkerSet's group g is (the
+# leaderworkerset overlay). Rank 0 serves; the other ranks (followers) only compute.
 
 def _tp_size(manifests: Manifests) -> int:
     env = manifests.env(manifests.container("target"))
@@ -590,12 +595,28 @@ def _tp_size(manifests: Manifests) -> int:
 
 
 def _replicas(workload: Doc) -> int:
-    replicas: int = workload["spec"].get("replicas", 1)
+    """Its pods: of a LeaderWorkerSet's role (lws_roles), in one group for the workers."""
+    if "lws" in workload and not workload["leads"]:
+        size: int = workload["lws"]["spec"]["leaderWorkerTemplate"].get("size", 1)
+        return size - 1
+    spec = workload["lws"]["spec"] if "lws" in workload else workload["spec"]
+    replicas: int = spec.get("replicas", 1)
     return replicas
 
 
 def _ranks(manifests: Manifests) -> dict[int, Doc]:
-    """Each rank's workload, checking that all its pods take that one rank."""
+    """Each rank's workload, checking that all its pods take that one rank (a StatefulSet per
+    rank), or in a LeaderWorkerSet that the leader takes rank 0 and worker j rank j."""
+    if manifests.leader_worker_set("target") is not None:
+        by_rank: dict[int, Doc] = {}
+        for role in manifests.workloads("target"):
+            container = container_of(role, "target")
+            taken = [_tp_rank(manifests.pod_env(role, container, j)) for j in range(_replicas(role))]
+            expected = [0] * len(taken) if role["leads"] else list(range(1, len(taken) + 1))
+            assert taken == expected, f"{role['metadata']['name']}: its pods take ranks {taken}, " \
+                                      f"not {expected}: a rank set in the template overrides LWS's"
+            by_rank.update(dict.fromkeys(taken, role))
+        return by_rank
     ranks: dict[int, Doc] = {}
     for workload in manifests.workloads("target"):
         container = container_of(workload, "target")
@@ -625,6 +646,20 @@ def test_a_tensor_parallel_target_is_one_pod_per_rank_each_with_one_gpu(
     assert sorted(ranks) == list(range(size)), \
         f"--tensor-parallel-size {size}, but a group has a pod for ranks {sorted(ranks)}"
     assert ranks[0] is manifests.workload("target"), "rank 0 serves: it is tandem-target"
+    lws = manifests.leader_worker_set("target")
+    if lws is not None:
+        spec = lws["spec"]
+        # One rank failing or hanging stops its group: the group restarts as a whole.
+        assert spec["leaderWorkerTemplate"].get("restartPolicy") == "RecreateGroupOnPodRestart"
+        # The leader is Ready only once its workers have joined: they cannot wait for it.
+        assert spec.get("startupPolicy", "LeaderCreated") == "LeaderCreated"
+        for role in manifests.workloads("target"):
+            container = container_of(role, "target")
+            env = manifests.pod_env(role, container, 0)
+            assert int(env["TANDEM_TENSOR_PARALLEL_SIZE"]) == size, role["metadata"]["name"]
+            if env.get("TANDEM_DEVICE", "cpu").startswith("cuda"):
+                assert _gpus(container) == 1, f"{role['metadata']['name']}: one GPU per rank"
+        return
     groups = {_replicas(w) for w in ranks.values()}
     assert len(groups) == 1, f"every rank needs one pod per group, got replicas {groups}"
     for workload in ranks.values():
@@ -641,18 +676,36 @@ def test_a_tensor_parallel_target_is_one_pod_per_rank_each_with_one_gpu(
             assert _gpus(container) == 1, f"{name}: one GPU per rank (NCCL, one process each)"
 
 
+def _store_port(env: dict[str, str]) -> int:
+    """Where rank 0's rendezvous store listens (tandem.topology.topology)."""
+    master = env.get("TANDEM_TP_MASTER") or f"{env.get('MASTER_ADDR', '')}:{env.get('MASTER_PORT', '')}"
+    port = master.rpartition(":")[2]
+    return int(port) if port.isdigit() else DEFAULT_MASTER_PORT
+
+
 def test_every_rank_meets_rank_0_of_its_own_group(manifests: Manifests) -> None:
     if _tp_size(manifests) == 1:
         return
     ranks = _ranks(manifests)
     leader = ranks[0]
+    store_ports = {p["containerPort"] for p in container_of(leader, "target").get("ports", [])}
+    if manifests.leader_worker_set("target") is not None:
+        # LWS's own variables name rank 0 (LWS_LEADER_ADDRESS, by the headless Service it
+        # makes, which publishes pods before they are Ready): a flag or torchrun's variable
+        # would override them with an address of the template's, the same for every group.
+        for role in {id(r): r for r in ranks.values()}.values():
+            env = manifests.pod_env(role, container_of(role, "target"), 0)
+            overriding = {"TANDEM_TP_MASTER", "TANDEM_TP_RANK", "MASTER_ADDR", "RANK"} & env.keys()
+            assert not overriding, f"{role['metadata']['name']} sets {overriding} over LWS's variables"
+            assert _store_port(env) in store_ports, \
+                f"rank 0 declares no port {_store_port(env)} for its rendezvous store"
+        return
     name = leader["metadata"]["name"]
     service = manifests.get("Service", leader["spec"]["serviceName"])
     assert service["spec"].get("clusterIP") == "None", "pod DNS names need a headless Service"
     # The ranks meet while loading: no rank is Ready before all have met.
     assert service["spec"].get("publishNotReadyAddresses") is True
     assert _selects({"matchLabels": service["spec"]["selector"]}, _labels(leader))
-    store_ports = {p["containerPort"] for p in container_of(leader, "target").get("ports", [])}
     for group in range(_replicas(leader)):
         for rank, workload in ranks.items():
             env = manifests.pod_env(workload, container_of(workload, "target"), group)
@@ -679,16 +732,23 @@ def test_the_orchestrator_discovers_only_rank_0(manifests: Manifests) -> None:
             f"{follower['metadata']['name']} serves no gRPC, but the orchestrator would dial it"
 
 
-def test_followers_serve_nothing_and_outlive_rank_0s_drain(manifests: Manifests) -> None:
+def test_followers_serve_only_liveness_and_outlive_rank_0s_drain(manifests: Manifests) -> None:
     grace_s = manifests.pod("target").get("terminationGracePeriodSeconds", 30)
     for follower in manifests.followers("target"):
         name = follower["metadata"]["name"]
         container = container_of(follower, "target")
-        # Nothing listens for a probe: a gRPC one would fail and get the follower killed. It
-        # exits by itself when its rank 0 goes or stalls.
-        probes = {"startupProbe", "readinessProbe", "livenessProbe"} & container.keys()
-        assert not probes, f"{name} serves no health, yet has {probes}"
-        assert not container.get("ports"), f"{name} serves nothing"
+        # A follower answers gRPC health in plaintext on its health port, else its gRPC port:
+        # SERVING while rank 0 reaches it within TANDEM_TP_TIMEOUT_S. That is liveness only; a
+        # readiness or startup probe would wait for a service it never becomes.
+        probes = {"startupProbe", "readinessProbe"} & container.keys()
+        assert not probes, f"{name} serves only liveness, yet has {probes}"
+        assert "livenessProbe" in container, f"{name}: a hung follower would go unnoticed"
+        env = manifests.pod_env(follower, container, 0)
+        health_port = int(env.get("TANDEM_HEALTH_PORT", "-1"))
+        port = health_port if health_port >= 0 else int(env.get("TANDEM_PORT", "0"))
+        assert container["livenessProbe"].get("grpc", {}).get("port") == port, \
+            f"{name}: its liveness is gRPC health on port {port}"
+        assert not container.get("ports"), f"{name} serves nothing a Service needs"
         annotations = follower["spec"]["template"]["metadata"].get("annotations", {})
         assert annotations.get("prometheus.io/scrape") != "true", f"{name} serves no metrics"
         for service in manifests.of_kind("Service"):
@@ -720,7 +780,7 @@ def test_the_ranks_of_a_group_reach_each_other(manifests: Manifests) -> None:
         return
     ranks = _ranks(manifests)
     leader_env = manifests.pod_env(ranks[0], container_of(ranks[0], "target"), 0)
-    store_port = int(leader_env["TANDEM_TP_MASTER"].rpartition(":")[2])
+    store_port = _store_port(leader_env)
     grpc_port = _grpc_port(manifests.container("target"))
     for to_rank, to in ranks.items():
         # Rank 0's gRPC port stays the orchestrator's alone (checked above).
@@ -728,12 +788,36 @@ def test_the_ranks_of_a_group_reach_each_other(manifests: Manifests) -> None:
         if to_rank == 0:
             ports = (ports | {store_port}) - {grpc_port}
         for from_rank, source in ranks.items():
-            if from_rank == to_rank:
+            if from_rank == to_rank or source is to:
                 continue
             closed = sorted(p for p in ports
                             if not _admits(manifests, _labels(to), _labels(source), p))
             assert not closed, f"rank {from_rank} cannot reach rank {to_rank} on {len(closed)} " \
                                f"ports, {closed[:3]} among them"
+
+
+def test_an_hpa_scales_leader_worker_set_groups_whole(manifests: Manifests) -> None:
+    lws = manifests.leader_worker_set("target")
+    if lws is None:
+        return
+    scaling = [h for h in manifests.of_kind("HorizontalPodAutoscaler")
+               if h["spec"]["scaleTargetRef"].get("kind") == "LeaderWorkerSet"]
+    assert len(scaling) == 1, "one HPA scales the groups"
+    [hpa] = scaling
+    # Through the LeaderWorkerSet's scale subresource: a group's StatefulSets scaled alone would
+    # leave groups without ranks.
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "leaderworkerset.x-k8s.io/v1",
+                                             "kind": "LeaderWorkerSet", "name": lws["metadata"]["name"]}
+    assert "replicas" not in lws["spec"], "a fixed group count fights the HPA on every apply"
+    assert 1 <= hpa["spec"]["minReplicas"] <= hpa["spec"]["maxReplicas"]
+    # Its pods are the leaders (the scale subresource's selector): per-pod metrics they serve.
+    assert all(m["type"] == "Pods" for m in hpa["spec"]["metrics"])
+
+
+def test_the_leaderworkerset_overlay_is_one(rendered: dict[str, Manifests]) -> None:
+    """Keeps the checks above from passing vacuously."""
+    assert rendered["leaderworkerset"].leader_worker_set("target") is not None
+    assert not rendered["leaderworkerset"].of_kind("StatefulSet")
 
 
 # --- the checks above are not vacuous ----------------------------------------------------
@@ -821,13 +905,19 @@ CARELESS: dict[str, tuple[Callable[[Manifests], object], Callable[[Manifests], N
     "followers discovered by the orchestrator": (
         lambda m: m.get("Service", "tandem-target")["spec"]["selector"].pop("tandem/tp-rank"),
         test_the_orchestrator_discovers_only_rank_0),
-    "gRPC probe on a follower": (
+    "readiness probe on a follower": (
         lambda m: container_of(_follower(m), "target").update(
-            livenessProbe={"grpc": {"port": 50051}}),
-        test_followers_serve_nothing_and_outlive_rank_0s_drain),
+            readinessProbe={"grpc": {"port": 50051}}),
+        test_followers_serve_only_liveness_and_outlive_rank_0s_drain),
+    "follower without liveness": (
+        lambda m: container_of(_follower(m), "target").pop("livenessProbe"),
+        test_followers_serve_only_liveness_and_outlive_rank_0s_drain),
+    "follower probed on the metrics port": (
+        lambda m: container_of(_follower(m), "target")["livenessProbe"]["grpc"].update(port=9090),
+        test_followers_serve_only_liveness_and_outlive_rank_0s_drain),
     "follower killed during rank 0's drain": (
         lambda m: pod_of(_follower(m)).update(terminationGracePeriodSeconds=60),
-        test_followers_serve_nothing_and_outlive_rank_0s_drain),
+        test_followers_serve_only_liveness_and_outlive_rank_0s_drain),
     "startup probe shorter than the rendezvous": (
         lambda m: m.container("target")["startupProbe"].update(failureThreshold=60),
         test_rank_0_waits_for_its_group_before_the_kubelet_gives_up),
@@ -838,6 +928,58 @@ CARELESS: dict[str, tuple[Callable[[Manifests], object], Callable[[Manifests], N
     "rank 0's gRPC port open to its followers": (
         lambda m: _ingress(m, "tandem-target-rank0-from-ranks")["ports"][0].update(endPort=50051),
         test_only_the_orchestrator_reaches_draft_and_target),
+}
+
+
+def _lws(m: Manifests) -> Doc:
+    lws = m.leader_worker_set("target")
+    assert lws is not None
+    return lws
+
+
+def _worker(m: Manifests) -> Doc:
+    [worker] = m.followers("target")
+    return container_of(worker, "target")
+
+
+# Mistakes only a LeaderWorkerSet can make: checked on the leaderworkerset overlay.
+CARELESS_LWS: dict[str, tuple[Callable[[Manifests], object], Callable[[Manifests], None]]] = {
+    "group size apart from the tensor-parallel size": (
+        lambda m: _lws(m)["spec"]["leaderWorkerTemplate"].update(size=4),
+        test_a_tensor_parallel_target_is_one_pod_per_rank_each_with_one_gpu),
+    "a group that does not restart as one": (
+        lambda m: _lws(m)["spec"]["leaderWorkerTemplate"].update(restartPolicy="None"),
+        test_a_tensor_parallel_target_is_one_pod_per_rank_each_with_one_gpu),
+    "workers waiting for a leader that waits for them": (
+        lambda m: _lws(m)["spec"].update(startupPolicy="LeaderReady"),
+        test_a_tensor_parallel_target_is_one_pod_per_rank_each_with_one_gpu),
+    "a rank pinned over LWS's": (
+        lambda m: _worker(m)["env"].append({"name": "TANDEM_TP_RANK", "value": "1"}),
+        test_every_rank_meets_rank_0_of_its_own_group),
+    "every worker rank 0": (
+        lambda m: _worker(m)["env"].append({"name": "TANDEM_TP_RANK", "value": "0"}),
+        test_a_tensor_parallel_target_is_one_pod_per_rank_each_with_one_gpu),
+    "a leader address of the StatefulSets'": (
+        lambda m: _worker(m)["env"].append(
+            {"name": "TANDEM_TP_MASTER", "value": "tandem-target-0.tandem-target-ranks:29500"}),
+        test_every_rank_meets_rank_0_of_its_own_group),
+    "a leader without its rendezvous port": (
+        lambda m: m.container("target")["ports"].pop(),
+        test_every_rank_meets_rank_0_of_its_own_group),
+    "workers discovered by the orchestrator": (
+        lambda m: m.followers("target")[0]["spec"]["template"]["metadata"]["labels"].update(
+            {"tandem/tp-rank": "0"}),
+        test_the_orchestrator_discovers_only_rank_0),
+    "worker without liveness": (
+        lambda m: _worker(m).pop("livenessProbe"),
+        test_followers_serve_only_liveness_and_outlive_rank_0s_drain),
+    "an HPA on the leaders' StatefulSet": (
+        lambda m: m.get("HorizontalPodAutoscaler", "tandem-target")["spec"]["scaleTargetRef"].update(
+            apiVersion="apps/v1", kind="StatefulSet"),
+        test_an_hpa_scales_leader_worker_set_groups_whole),
+    "a fixed group count": (
+        lambda m: _lws(m)["spec"].update(replicas=2),
+        test_an_hpa_scales_leader_worker_set_groups_whole),
 }
 
 
@@ -868,10 +1010,11 @@ CARELESS_TLS: dict[str, tuple[Callable[[Manifests], object], Callable[[Manifests
 
 
 @pytest.mark.parametrize("overlay, mistake", [("gpu", name) for name in sorted(CARELESS)]
-                         + [("tls", name) for name in sorted(CARELESS_TLS)])
+                         + [("tls", name) for name in sorted(CARELESS_TLS)]
+                         + [("leaderworkerset", name) for name in sorted(CARELESS_LWS)])
 def test_the_checks_catch_a_careless_deployment(rendered: dict[str, Manifests], overlay: str,
                                                 mistake: str) -> None:
-    spoil, check = {**CARELESS, **CARELESS_TLS}[mistake]
+    spoil, check = {**CARELESS, **CARELESS_TLS, **CARELESS_LWS}[mistake]
     manifests = Manifests(overlay, copy.deepcopy(rendered[overlay].docs))
     check(manifests)  # passes as shipped
     spoil(manifests)

@@ -1,18 +1,24 @@
 """Where a process sits in a tensor-parallel group, and which models can be sharded.
 
-The group itself runs in real processes: tests/target_service/test_tensor_parallel.py.
+The group itself runs in real processes: tests/target_service/test_tensor_parallel.py. Here:
+the rule a follower's liveness follows, and the health server that answers with it.
 """
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tiny import make_model, make_tokenizer
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, Qwen2Config
 
+from tandem.parallel import Pulse
+from tandem.server import serve_liveness
 from tandem.topology import ParallelError, check_shardable, topology
 
 TORCHRUN = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "10.0.0.7",
@@ -104,3 +110,29 @@ def test_a_device_map_does_not_combine_with_tensor_parallelism(tmp_path: Path) -
     done = serve(make_model(tmp_path / "llama", seed=0), "--tensor-parallel-size", "2", "--device", "auto")
     assert done.returncode != 0
     assert "does not combine with a device map" in done.stderr
+
+
+def test_a_pulse_is_alive_until_the_timeout_passes_since_its_last_beat() -> None:
+    pulse = Pulse(timeout_s=0.3)
+    assert pulse.alive()  # forming and loading: bounded by the start-up timeout instead
+    pulse.beat()
+    assert pulse.alive()
+    time.sleep(0.5)
+    assert not pulse.alive()
+    pulse.beat()
+    assert pulse.alive()
+
+
+def test_liveness_answers_what_alive_says_at_each_check() -> None:
+    alive = [True]
+    server, port = serve_liveness("test", "127.0.0.1", 0, lambda: alive[0])
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            for state, status in ((True, "SERVING"), (False, "NOT_SERVING"), (True, "SERVING")):
+                alive[0] = state
+                for service in ("", "tandem.v1.TargetService"):
+                    reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+                    assert reply.status == health_pb2.HealthCheckResponse.ServingStatus.Value(status)
+    finally:
+        server.stop(0)

@@ -6,11 +6,13 @@ which the followers must mirror from rank 0's forward calls alone. Sampling: the
 law test. Faults: a follower killed or stalled mid-request stops its replica (non-zero exit)
 and the request moves to another replica or ends UNAVAILABLE before its deadline; rank 0
 killed takes its followers with it. Start-up: health stays NOT_SERVING until every rank has
-loaded, with ranks started as a launcher would, on an explicit rendezvous.
+loaded, with ranks started as a launcher would, on an explicit rendezvous. Liveness: a
+follower's health turns unhealthy within the timeout once it or its rank 0 is frozen.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -260,3 +262,48 @@ def test_ranks_started_by_torchrun_form_one_replica(tiny_target: Path, reference
     finally:
         if agent.poll() is None:
             agent.kill()
+
+
+# --- A follower's liveness, as a kubelet probes it ---------------------------------------------
+
+
+def liveness(address: str) -> int | None:
+    """A follower's health as a liveness probe reads it: its status, or None where it does not
+    answer within the probe's timeout."""
+    try:
+        with grpc.insecure_channel(address) as ch:
+            reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2)
+    except grpc.RpcError:
+        return None
+    return int(reply.status)
+
+
+@pytest.mark.parametrize("frozen", ["follower", "rank 0"])
+def test_a_frozen_rank_turns_the_followers_liveness_unhealthy_within_the_timeout(
+        tiny_target: Path, frozen: str) -> None:
+    timeout_s = 5
+    master, port = f"127.0.0.1:{free_port()}", free_port()
+    ranked = [*TP, "--tp-master", master, "--tp-timeout-s", str(timeout_s), "--tp-rank"]
+    leader = spawn(["target-service", "--model", str(tiny_target), "--threads", "1", *ranked, "0"])
+    follower = subprocess.Popen([sys.executable, "-m", "tandem.cli", "target-service", "--model",
+                                 str(tiny_target), "--threads", "1", *ranked, "1", "--port", str(port)])
+    address = f"127.0.0.1:{port}"
+    SERVING = health_pb2.HealthCheckResponse.SERVING
+    try:
+        wait_serving(leader, timeout=120)
+        # Idle, rank 0's heartbeats keep the follower alive past its timeout.
+        deadline = time.monotonic() + 2 * timeout_s
+        while time.monotonic() < deadline:
+            assert liveness(address) == SERVING
+            time.sleep(0.5)
+        os.kill(follower.pid if frozen == "follower" else leader.proc.pid, signal.SIGSTOP)
+        wait_for(lambda: liveness(address) != SERVING, "the follower's liveness turned unhealthy",
+                 timeout=timeout_s + 10)
+    finally:
+        for pid in (follower.pid, leader.proc.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        follower.kill()
+        follower.wait()
+        leader.proc.kill()
+        leader.stop()
