@@ -105,7 +105,9 @@ class ModelServiceConfig(ServerSecurityConfig):
                             "(default: MASTER_ADDR:MASTER_PORT, as torchrun sets them, or a "
                             "LeaderWorkerSet's LWS_LEADER_ADDRESS on MASTER_PORT or 29500)")
     tp_timeout_s: float = option(60.0, "a rank that fails or stalls a collective for this long "
-                                 "stops the replica: NOT_SERVING, then exit non-zero")
+                                 "stops the replica: NOT_SERVING, then exit non-zero; a "
+                                 "follower's liveness (gRPC health on its --port) turns "
+                                 "NOT_SERVING when rank 0 has not reached it for this long")
     tp_start_timeout_s: float = option(1800.0, "how long the ranks of a tensor-parallel group "
                                        "wait for each other to join and to load")
     max_sessions: int = option(256, "most concurrent sessions (streams) on this replica")
