@@ -10,10 +10,13 @@ The same greedy requests (HumanEval prompts, EOS ignored, a fixed number of toke
 - batched speculation per-step (only when named in --modes): the same with the per-step
   cost model alone (a --speculation-by-batch table that lets every load draft up to k_max);
 - batched speculation no-overlap (likewise): the same, taking turns (--overlap off);
-- batched k=0 twin (likewise): a second batched k=0 stack, whose ratio to the first is the
-  noise floor between two stacks doing the same work.
+- batched k=0 twin (likewise): batched k=0 again through a second orchestrator, whose ratio to
+  the first is the noise floor between two measurements of the same work.
 
-Every mode's stack is started first and held for the whole sweep. The modes then take turns
+Every mode's stack is started first and held for the whole sweep. Modes whose services run
+with the same flags share those processes, each mode with its own orchestrator: batched k=0,
+its twin and batched speculation measure one target process, so their ratios hold only what
+the orchestrator did (and three float32 targets need not fit in memory). The modes take turns
 point by point: at each concurrency, each mode runs once per repeat, in an order that rotates
 by one mode per repeat. So a slow spell of the machine falls on every mode alike, rather than
 on whichever mode's whole sweep it happened to meet, and the ratios between modes stay true.
@@ -33,7 +36,7 @@ import asyncio
 import json
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,7 +46,7 @@ import grpc
 from bench.load import percentile
 from bench.prompts import prompts as bench_prompts
 from tandem import models
-from tandem.launch import Process, Stack, start_stack
+from tandem.launch import Process, Stack, spawn, wait_serving
 from tandem.server import CHANNEL_OPTIONS
 from tandem.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 
@@ -65,8 +68,8 @@ MODES = {
     "batched speculation per-step": Mode(drafting=True, orchestrator=("--speculation-by-batch", "1-:16")),
     # The same without drafting ahead: on shared cores the guesses take the target's cycles.
     "batched speculation no-overlap": Mode(drafting=True, orchestrator=("--overlap", "off")),
-    # A second batched k=0 stack (an A/A control): its ratio to batched k=0 is the noise floor
-    # between two stacks running the same computation, against which any other ratio is read.
+    # Batched k=0 through a second orchestrator (an A/A control): its ratio to batched k=0 is the
+    # noise floor between two runs of the same computation, against which any other ratio is read.
     "batched k=0 twin": Mode(k=0),
     # The draft's GGUF file on llama.cpp instead of transformers (the --draft-args' quantize
     # does not apply: a GGUF file carries its own).
@@ -175,25 +178,64 @@ def rotated(modes: Sequence[str], repeat: int) -> list[str]:
     return [*modes[shift:], *modes[:shift]]
 
 
+def _start(draft: str, target: str, modes: Sequence[str], *, draft_args: Sequence[str],
+           target_args: Sequence[str], threads: int, log_dir: Path | None) -> dict[str, Stack]:
+    """One orchestrator per mode, over replicas shared by every mode that runs them alike.
+
+    Modes that differ only in the orchestrator (the policy, k, the A/A twin) measure the same
+    target and draft processes, so a ratio between them holds nothing but what the orchestrator
+    did: no second process's start-up choices (the matmul path each service times for itself,
+    where its memory landed) and no second copy of the weights in memory.
+    """
+    replicas: dict[tuple[str, ...], Process] = {}
+
+    def replica(argv: list[str]) -> Process:
+        if tuple(argv) not in replicas:
+            name = f"{argv[0].removesuffix('-service')}-{len(replicas)}"
+            replicas[tuple(argv)] = spawn(argv, log_file=log_dir / f"{name}.log" if log_dir else None)
+        return replicas[tuple(argv)]
+
+    common, metrics = ["--threads", str(threads)], ["--metrics-port", "0"]
+    stacks: dict[str, Stack] = {}
+    try:
+        for mode in modes:
+            spec = MODES[mode]
+            drafts = [replica(["draft-service", "--model", draft, "--dtype", "float32", *common, *draft_args, *spec.services,
+                               *spec.draft, *metrics])] if spec.drafting else []
+            targets = [replica(["target-service", "--model", target, "--dtype", "float32", *common, *target_args,
+                                *spec.services, *metrics])]
+            for process in (*drafts, *targets):
+                wait_serving(process)
+            log_file = log_dir / f"orchestrator-{mode.replace(' ', '-')}.log" if log_dir else None
+            orchestrator = spawn(["orchestrator", "--draft", ",".join(p.address for p in drafts),
+                                  "--target", targets[0].address, *spec.orchestrator], log_file=log_file)
+            stacks[mode] = Stack(drafts, targets, orchestrator)
+            wait_serving(orchestrator)
+            asyncio.run(_drive(orchestrator.address, ["warm up"], 1, 4, spec.k))
+    except BaseException:
+        _stop(stacks, replicas.values())
+        raise
+    return stacks
+
+
+def _stop(stacks: dict[str, Stack], replicas: Iterable[Process]) -> None:
+    for stack in stacks.values():
+        stack.orchestrator.stop()
+    for process in replicas:
+        process.stop()
+
+
 def sweep(draft: str, target: str, *, draft_args: Sequence[str], target_args: Sequence[str],
           concurrency: Sequence[int], max_new_tokens: int, min_requests: int, threads: int,
           modes: Sequence[str], prompt_chars: int = 0, log_dir: Path | None = None,
           repeats: int = 1, per_session_up_to: int = 0) -> list[Point]:
     texts = [p.text[-prompt_chars:] if prompt_chars else p.text
              for p in bench_prompts(num_code=max(*concurrency, min_requests), num_prose=0)]
-    stacks: dict[str, Stack] = {}
+    if log_dir is not None:
+        log_dir.mkdir(parents=True, exist_ok=True)
+    stacks = _start(draft, target, modes, draft_args=draft_args, target_args=target_args,
+                    threads=threads, log_dir=log_dir)
     try:
-        for mode in modes:
-            spec = MODES[mode]
-            metrics = ["--metrics-port", "0"]
-            logs = None if log_dir is None else log_dir / mode.replace(" ", "-")
-            if logs is not None:
-                logs.mkdir(parents=True, exist_ok=True)
-            stacks[mode] = start_stack(draft if spec.drafting else None, target, threads=threads,
-                                       draft_args=[*draft_args, *spec.services, *spec.draft, *metrics],
-                                       target_args=[*target_args, *spec.services, *metrics],
-                                       orchestrator_args=list(spec.orchestrator), log_dir=logs)
-            asyncio.run(_drive(stacks[mode].address, texts[:1], 1, 4, spec.k))  # warm-up
         points: list[Point] = []
         for clients in concurrency:
             prompts = texts[:max(clients, min_requests)]
@@ -210,8 +252,7 @@ def sweep(draft: str, target: str, *, draft_args: Sequence[str], target_args: Se
                           flush=True)
             points.extend(median_point(runs[mode]) for mode in here)
     finally:
-        for stack in stacks.values():
-            stack.stop()
+        _stop(stacks, {id(p): p for s in stacks.values() for p in (*s.drafts, *s.targets)}.values())
     return sorted(points, key=lambda p: (list(modes).index(p.mode), p.clients))
 
 

@@ -53,6 +53,7 @@ from tandem import metrics, models
 from tandem.config import MAX_BLOCK_TOKENS, MAX_SUPPORT_SIZE
 from tandem.errors import InvalidRequest, Unavailable
 from tandem.sampling import SamplingParams, validate
+from tandem.security import ClientTls
 
 OVERLAP_SETTINGS = ("auto", "on", "off")  # --overlap
 
@@ -96,7 +97,8 @@ class Engine:
         if _addresses(config.draft) and config.draft_service_name:
             raise ValueError("set at most one of --draft and --draft-service-name")
         self.config = config
-        self.upstream_tls = config.upstream_tls()
+        self._upstream_tls = config.upstream_tls()
+        self._upstream_files = self._upstream_tls.reloading() if self._upstream_tls else None
         self.tokenizer: Any = None
         self.target_info: ModelInfo | None = None
         self.drafts: ReplicaPool | None = None
@@ -165,6 +167,11 @@ class Engine:
             raise SystemExit(
                 f"{source} does not match the target {self.target_info.model!r}; pass "
                 "--tokenizer with the target's tokenizer")
+
+    @property
+    def upstream_tls(self) -> ClientTls | None:
+        """How to reach the replicas: the --upstream-tls-* files as they are now."""
+        return self._upstream_files.current() if self._upstream_files else self._upstream_tls
 
     @property
     def ready(self) -> bool:

@@ -29,20 +29,38 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
+class Link:
+    """A channel to a replica, and how many sessions it carries."""
+
+    channel: Any = field(repr=False)
+    stub: Any = field(repr=False)
+    sessions: int = 0
+
+
+@dataclass
 class Replica:
     address: str
-    stub: Any
+    link: Link
     active_sessions: int = 0
     # Set by discovery: a terminating replica takes no new sessions while its in-flight ones
     # finish; a removed one has also left the pool and is closed after its last session.
     terminating: bool = False
     removed: bool = False
-    channel: Any = field(default=None, repr=False)
+    # Channels opened with TLS files since replaced: each closes after its last session.
+    retired: list[Link] = field(default_factory=list)
     # Set when a session on it broke: new sessions avoid it until then (event-loop time).
     failed_until: float = 0.0
     # The share of its KV budget its caches held at its last answer (targets report it); 0
     # again once no session of this orchestrator's is open there (what this one routes to it).
     kv_usage: float = 0.0
+
+    @property
+    def stub(self) -> Any:
+        return self.link.stub
+
+    @property
+    def channel(self) -> Any:
+        return self.link.channel
 
 
 # A replica that broke a session is avoided this long; a restarted one is found again soon
@@ -75,6 +93,7 @@ class ReplicaPool:
         self.stub_class = stub_class
         self.service = stub_class.__name__.removesuffix("ServiceStub").lower()  # "draft", "target"
         self.tls = tls
+        self._tls_files = tls.reloading() if tls is not None else None
         self.replicas: list[Replica] = []
         self._closing: set[asyncio.Task[None]] = set()
         for address in addresses:
@@ -92,11 +111,27 @@ class ReplicaPool:
         """Route new sessions to `address`; a replica marked terminating takes them again."""
         replica = self.get(address)
         if replica is None:
-            channel = aio_channel(address, self.tls, _channel_options(address))
-            replica = Replica(address=address, stub=self.stub_class(channel), channel=channel)
+            replica = Replica(address=address, link=self._link(address))
             self.replicas.append(replica)
         replica.terminating = False
         return replica
+
+    def _link(self, address: str) -> Link:
+        channel = aio_channel(address, self.tls, _channel_options(address))
+        return Link(channel, self.stub_class(channel))
+
+    def _follow_tls_files(self) -> None:
+        """New sessions use the --upstream-tls-* files as they are now: when they have changed,
+        each replica gets a channel with them, and the old one closes after its last session."""
+        if self._tls_files is None or (tls := self._tls_files.current()) is self.tls:
+            return
+        self.tls = tls
+        for replica in self.replicas:
+            old, replica.link = replica.link, self._link(replica.address)
+            if old.sessions:
+                replica.retired.append(old)
+            else:
+                self._close(old)
 
     def mark_terminating(self, address: str) -> None:
         """No new sessions on `address`; the sessions already there run to their end."""
@@ -112,11 +147,12 @@ class ReplicaPool:
         self.replicas.remove(replica)
         replica.terminating = replica.removed = True
         if replica.active_sessions == 0:
-            self._close(replica)
+            self._close(replica.link)
 
     def acquire(self, tried: Collection[str] = ()) -> Replica:
         """The least-loaded routable replica, preferring ones that have not just failed, then
         ones whose address is not in `tried` (those a step has already tried)."""
+        self._follow_tls_files()
         routable = [r for r in self.replicas if not r.terminating]
         if not routable:
             state = (f"{len(self.replicas)} known, all terminating" if self.replicas
@@ -128,6 +164,7 @@ class ReplicaPool:
         replica = min(healthy or routable, key=lambda r: (
             r.address in tried, max(r.failed_until, now), r.active_sessions))
         replica.active_sessions += 1
+        replica.link.sessions += 1
         return replica
 
     @property
@@ -139,23 +176,31 @@ class ReplicaPool:
     def mark_failed(self, replica: Replica) -> None:
         replica.failed_until = asyncio.get_running_loop().time() + FAILED_COOLDOWN_S
 
-    def release(self, replica: Replica) -> None:
+    def release(self, replica: Replica, link: Link | None = None) -> None:
+        """A session that `acquire` placed on `replica` (over `link`: the channel it opened on,
+        by default the replica's current one) has ended."""
+        link = link or replica.link
         replica.active_sessions -= 1
+        link.sessions -= 1
         if replica.active_sessions == 0:
             replica.kv_usage = 0.0
+        if link in replica.retired and link.sessions == 0:
+            replica.retired.remove(link)
+            self._close(link)
         if replica.removed and replica.active_sessions == 0:
-            self._close(replica)
+            self._close(replica.link)
 
-    def _close(self, replica: Replica) -> None:
-        # Closing a channel cancels its calls, so only an idle replica's channel is closed.
-        task = asyncio.get_running_loop().create_task(replica.channel.close())
+    def _close(self, link: Link) -> None:
+        # Closing a channel cancels its calls, so only a channel without sessions is closed.
+        task = asyncio.get_running_loop().create_task(link.channel.close())
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
 
     async def close(self) -> None:
         """Close every channel (in-flight calls are cancelled)."""
         for replica in self.replicas:
-            await replica.channel.close()
+            for link in (replica.link, *replica.retired):
+                await link.channel.close()
         self.replicas.clear()
         if self._closing:
             await asyncio.gather(*self._closing)
@@ -191,11 +236,13 @@ class RemoteSession:
     wire_bytes: int = 0
     rebuilds: int = 0
     replica: Replica | None = None
+    _link: Link | None = field(default=None, repr=False)  # the channel the session opened on
     _call: Any = field(default=None, repr=False)
 
     def _open(self, method: str, tried: Collection[str] = ()) -> Any:
         if self._call is None:
             self.replica = self.pool.acquire(tried)
+            self._link = self.replica.link
             timeout = (None if self.deadline is None
                        else max(0.0, self.deadline - asyncio.get_running_loop().time()))
             self._call = getattr(self.replica.stub, method)(timeout=timeout)
@@ -280,8 +327,8 @@ class RemoteSession:
             self._call.cancel()
             self._call = None
         if self.replica is not None:
-            self.pool.release(self.replica)
-            self.replica = None
+            self.pool.release(self.replica, self._link)
+            self.replica = self._link = None
 
 
 class DraftSession(RemoteSession):

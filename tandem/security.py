@@ -9,6 +9,14 @@
 - `BearerTokenAuth`: a server interceptor that lets a call through only with
   `authorization: Bearer <token>`; health and reflection stay open for probes and tools.
 
+Certificates rotate without a restart. A server reads its --tls-* files again when they change
+(as a Kubernetes Secret volume updates them, cert-manager renewing): gRPC asks for the current
+certificate at every new handshake (`grpc.dynamic_ssl_server_credentials`), so new connections
+take the new one while established ones go on. The orchestrator's replica channels follow its
+--upstream-tls-* files the same way (orchestrator.remote.ReplicaPool). A change that does not
+load (a key that does not match its certificate, a half-written file) is logged and the
+current files stay in use until a complete set is there.
+
 Key and token bytes are kept out of every repr, so logging a config never leaks them.
 """
 
@@ -16,10 +24,12 @@ from __future__ import annotations
 
 import hmac
 import logging
+import os
+import ssl
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeAlias
+from typing import Any, Generic, TypeAlias, TypeVar
 
 import grpc
 
@@ -56,10 +66,21 @@ class ServerTls:
     cert_chain: bytes = field(repr=False)
     private_key: bytes = field(repr=False)
     client_ca: bytes | None = field(default=None, repr=False)
+    # The files these came from (cert, key, client CA), read again when they change; (): fixed.
+    paths: tuple[str, str, str] | tuple[()] = ()
 
     @property
     def mutual(self) -> bool:
         return self.client_ca is not None
+
+
+def _check_pair(cert: str, key: str, flag: str) -> None:
+    """Refuse a key that does not belong to its certificate (one of the two half-updated)."""
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key)
+    except (ssl.SSLError, OSError) as exc:
+        raise SecurityConfigError(f"{flag}-cert {cert!r} and {flag}-key {key!r} are not a "
+                                  f"certificate and its private key: {exc}") from exc
 
 
 def load_server_tls(cert: str, key: str, client_ca: str = "") -> ServerTls | None:
@@ -69,14 +90,90 @@ def load_server_tls(cert: str, key: str, client_ca: str = "") -> ServerTls | Non
     if not (cert and key):
         raise SecurityConfigError("TLS needs both --tls-cert and --tls-key"
                                   + (" (--tls-client-ca alone cannot turn on TLS)" if client_ca else ""))
-    return ServerTls(_read(cert, "--tls-cert"), _read(key, "--tls-key"),
-                     _read(client_ca, "--tls-client-ca") if client_ca else None)
+    tls = ServerTls(_read(cert, "--tls-cert"), _read(key, "--tls-key"),
+                    _read(client_ca, "--tls-client-ca") if client_ca else None, (cert, key, client_ca))
+    _check_pair(cert, key, "--tls")
+    return tls
+
+
+T = TypeVar("T")
+
+
+class Reloading(Generic[T]):
+    """A value loaded from files, loaded again when any of them changes (checked on `current()`).
+
+    A load that fails, or files that change while they are read, keep the last good value: the
+    next call tries again, and each failing set of files is logged once.
+    """
+
+    def __init__(self, paths: Sequence[str], load: Callable[[], T], initial: T, what: str) -> None:
+        self._paths = tuple(p for p in paths if p)
+        self._load, self._what = load, what
+        self._stamp = self._failed = self._stat()
+        self.value = initial
+        self.reloads = 0
+
+    def _stat(self) -> tuple[tuple[int, int, int], ...]:
+        stamps = []
+        for path in self._paths:
+            try:  # follows symlinks: a Secret volume swaps a directory link under the names
+                st = os.stat(path)
+                stamps.append((st.st_ino, st.st_mtime_ns, st.st_size))
+            except OSError:
+                stamps.append((0, 0, 0))
+        return tuple(stamps)
+
+    def current(self) -> T:
+        stamp = self._stat()
+        if stamp == self._stamp:
+            return self.value
+        try:
+            value = self._load()
+        except SecurityConfigError as exc:
+            if stamp != self._failed:
+                self._failed = stamp
+                log.warning("%s changed but cannot be loaded; keeping the current ones: %s",
+                            self._what, exc)
+            return self.value
+        if self._stat() != stamp:  # written to while read: the next call reads them whole
+            return self.value
+        self._stamp, self.value = stamp, value
+        self.reloads += 1
+        log.info("%s changed: reloaded (%s)", self._what, ", ".join(self._paths))
+        return value
+
+
+def _server_configuration(tls: ServerTls) -> Any:
+    return grpc.ssl_server_certificate_configuration(
+        [(tls.private_key, tls.cert_chain)], root_certificates=tls.client_ca)
 
 
 def server_credentials(tls: ServerTls) -> grpc.ServerCredentials:
-    return grpc.ssl_server_credentials(
-        [(tls.private_key, tls.cert_chain)], root_certificates=tls.client_ca,
-        require_client_auth=tls.mutual)
+    """Credentials that serve `tls`; when it came from files, whatever they hold at each handshake."""
+    if not tls.paths:
+        return grpc.ssl_server_credentials(
+            [(tls.private_key, tls.cert_chain)], root_certificates=tls.client_ca,
+            require_client_auth=tls.mutual)
+
+    def load() -> ServerTls:
+        reloaded = load_server_tls(*tls.paths)
+        assert reloaded is not None
+        if reloaded.mutual != tls.mutual:  # whether clients must present a certificate is fixed
+            raise SecurityConfigError("--tls-client-ca cannot be removed or added while serving")
+        return reloaded
+
+    files = Reloading(tls.paths, load, tls, "the server's TLS files")
+    served = [tls]
+
+    def fetch() -> Any:  # gRPC asks at every new handshake; None keeps the configuration it has
+        current = files.current()
+        if current is served[0]:
+            return None
+        served[0] = current
+        return _server_configuration(current)
+
+    return grpc.dynamic_ssl_server_credentials(
+        _server_configuration(tls), fetch, require_client_authentication=tls.mutual)
 
 
 @dataclass(frozen=True)
@@ -89,6 +186,21 @@ class ClientTls:
     cert_chain: bytes | None = field(default=None, repr=False)
     private_key: bytes | None = field(default=None, repr=False)
     server_name: str = ""
+    # The files these came from (CA, cert, key), and the flags' prefix; (): fixed.
+    paths: tuple[str, str, str] | tuple[()] = ()
+    flag: str = "--tls"
+
+    def reloading(self) -> Reloading[ClientTls] | None:
+        """These settings, following their files as they change; None when they came from none."""
+        if not any(self.paths):
+            return None
+        ca, cert, key = self.paths or ("", "", "")
+
+        def load() -> ClientTls:
+            return load_client_tls(ca, cert, key, self.server_name, enabled=True,
+                                   flag=self.flag) or self
+
+        return Reloading(self.paths, load, self, f"{self.flag}-* files")
 
 
 def load_client_tls(ca: str = "", cert: str = "", key: str = "", server_name: str = "",
@@ -99,11 +211,14 @@ def load_client_tls(ca: str = "", cert: str = "", key: str = "", server_name: st
         return None
     if bool(cert) != bool(key):
         raise SecurityConfigError(f"a client certificate needs both {flag}-cert and {flag}-key")
-    return ClientTls(
+    tls = ClientTls(
         root_ca=_read(ca, f"{flag}-ca") if ca else None,
         cert_chain=_read(cert, f"{flag}-cert") if cert else None,
         private_key=_read(key, f"{flag}-key") if key else None,
-        server_name=server_name)
+        server_name=server_name, paths=(ca, cert, key), flag=flag)
+    if cert:
+        _check_pair(cert, key, flag)
+    return tls
 
 
 def _secure(tls: ClientTls, options: Sequence[tuple[str, Any]]
