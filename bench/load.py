@@ -23,8 +23,9 @@ import random
 import statistics
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -98,7 +99,7 @@ class Outcome:
     error: str | None = None
 
 
-async def _generate(stub: Any, job: Job) -> Outcome:
+async def one_request(stub: Any, job: Job) -> Outcome:
     outcome = Outcome(job)
     started = time.perf_counter()
     try:
@@ -113,23 +114,29 @@ async def _generate(stub: Any, job: Job) -> Outcome:
     return outcome
 
 
-async def drive(address: str, jobs: Sequence[Job], clients: int) -> tuple[list[Outcome], float]:
-    """Run the jobs from `clients` concurrent streaming clients, each on its own channel."""
-    queue: asyncio.Queue[tuple[int, Job]] = asyncio.Queue()
-    for item in enumerate(jobs):
-        queue.put_nowait(item)
-    outcomes: list[Outcome | None] = [None] * len(jobs)
+async def drive(address: str, jobs: Sequence[Job], clients: int,
+                more: Callable[[int], bool] | None = None,
+                outcomes: list[Outcome] | None = None) -> tuple[list[Outcome], float]:
+    """Run the jobs from `clients` concurrent streaming clients, each on its own channel.
+
+    The jobs are sent in order, each once, or with `more`, round and round while `more(sent)`
+    holds. Outcomes are appended to `outcomes` as they finish, for whoever watches the load.
+    """
+    more = more or (lambda sent: sent < len(jobs))
+    outcomes = [] if outcomes is None else outcomes
+    sent = 0
 
     async def client() -> None:
+        nonlocal sent
         async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
             stub = orchestrator_pb2_grpc.OrchestratorServiceStub(channel)
-            while not queue.empty():
-                index, job = queue.get_nowait()
-                outcomes[index] = await _generate(stub, job)
+            while more(sent):
+                job, sent = jobs[sent % len(jobs)], sent + 1
+                outcomes.append(await one_request(stub, job))
 
     started = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(clients)))
-    return [o for o in outcomes if o is not None], time.perf_counter() - started
+    return outcomes, time.perf_counter() - started
 
 
 def replicas(stack: Stack) -> list[tuple[str, Process]]:
@@ -155,6 +162,19 @@ def settle(stack: Stack, timeout: float = SETTLE_S) -> dict[str, dict[str, float
         if all(v == 0 for g in gauges.values() for v in g.values()) or time.monotonic() > deadline:
             return gauges
         time.sleep(0.1)
+
+
+# The orchestrator's counters of what it did about lost replicas.
+COUNTERS = ("tandem_session_rebuilds_total", "tandem_draft_fallbacks_total",
+            "tandem_draftless_requests_total")
+
+
+def orchestrator_counters(stack: Stack) -> dict[str, float]:
+    """Session rebuilds and draft fallbacks so far, when the orchestrator serves metrics."""
+    if stack.orchestrator.metrics_url is None:
+        return {}
+    samples = stack.orchestrator.metrics()
+    return {name: samples.get(name, 0.0) for name in COUNTERS}
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -184,6 +204,8 @@ class Report:
     gauges_after: dict[str, dict[str, float]]
     rss_before: dict[str, int]
     rss_after: dict[str, int]
+    events: list[str] = field(default_factory=list)  # what ran beside the load: faults, samples
+    counters: dict[str, float] = field(default_factory=dict)  # the orchestrator's, when it has metrics
 
     def problems(self, rss_slack_bytes: int = RSS_SLACK_BYTES) -> list[str]:
         found = [f"error: {e}" for e in self.errors] + [f"mismatch: {m}" for m in self.mismatches]
@@ -196,12 +218,37 @@ class Report:
         return found
 
 
-def run_load(stack: Stack, jobs: Sequence[Job], clients: int) -> Report:
-    """Warm up, load the stack, let it settle, then check every deterministic job run alone."""
+def run_load(stack: Stack, jobs: Sequence[Job], clients: int,
+             beside: Callable[[list[Outcome]], list[str]] | None = None) -> Report:
+    """Warm up, load the stack, let it settle, then check every deterministic job run alone.
+
+    `beside` runs in a thread while the load runs (faults, samples), watching the outcomes as
+    they arrive; the clients go round the jobs again until it returns. What it returns (what it
+    did) goes into the report.
+    """
     asyncio.run(drive(stack.address, jobs[:clients], clients))  # warm-up: allocators, channels
     gauges_before = settle(stack)
     rss_before = rss(stack)
-    outcomes, wall = asyncio.run(drive(stack.address, jobs, clients))
+    outcomes: list[Outcome] = []
+    events: list[str] = []
+    over = threading.Event()
+    failed: list[BaseException] = []
+
+    def watch() -> None:
+        try:
+            events.extend(beside(outcomes) if beside else ())
+        except BaseException as exc:  # noqa: BLE001 - raised below, on the caller's thread
+            failed.append(exc)
+        finally:
+            over.set()
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    _, wall = asyncio.run(drive(stack.address, jobs, clients, outcomes=outcomes,
+                                more=lambda sent: sent < len(jobs) or not over.is_set()))
+    watcher.join()
+    if failed:
+        raise failed[0]
     gauges_after = settle(stack)
     rss_after = rss(stack)
 
@@ -226,7 +273,8 @@ def run_load(stack: Stack, jobs: Sequence[Job], clients: int) -> Report:
         errors=errors, mismatches=mismatches,
         deterministic_checked=sum(o.job in alone for o in outcomes),
         gauges_before=gauges_before, gauges_after=gauges_after,
-        rss_before=rss_before, rss_after=rss_after)
+        rss_before=rss_before, rss_after=rss_after, events=events,
+        counters=orchestrator_counters(stack))
 
 
 def _summary(report: Report) -> str:

@@ -579,8 +579,9 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
             add_arguments(p)
     sub.add_parser("bench", help="benchmark every mode side by side (tandem bench --help)")
     sub.add_parser("bench-load", help="concurrent clients: errors, exactness, leaks, latency; "
-                   "--sweep: throughput against concurrency, batched and not "
-                   "(tandem bench-load --help)")
+                   "--sweep: throughput against concurrency, batched and not; --chaos: faults "
+                   "under load; --overload: twice the admitted load; --duration 1h: a soak "
+                   "(tandem bench-load [--sweep|--chaos|--overload|--duration 1h] --help)")
     return parser
 
 
@@ -608,6 +609,18 @@ def main(argv: Sequence[str] | None = None) -> None:
             from bench.sweep import main as sweep_main
 
             sweep_main([a for a in argv[1:] if a != "--sweep"])
+        elif argv[:1] == ["bench-load"] and "--chaos" in argv:  # tandem bench-load --chaos --help
+            from bench.chaos import main as chaos_main
+
+            chaos_main([a for a in argv[1:] if a != "--chaos"])
+        elif argv[:1] == ["bench-load"] and "--overload" in argv:  # tandem bench-load --overload
+            from bench.overload import main as overload_main
+
+            overload_main([a for a in argv[1:] if a != "--overload"])
+        elif argv[:1] == ["bench-load"] and any(a.startswith("--duration") for a in argv):
+            from bench.soak import main as soak_main  # tandem bench-load --duration 1h
+
+            soak_main(argv[1:])
         elif argv[:1] == ["bench-load"]:  # tandem bench-load --help
             from bench.load import main as load_main
 

@@ -27,6 +27,7 @@ class Process:
     proc: subprocess.Popen[str]
     address: str
     lines: list[str] = field(default_factory=list)
+    argv: tuple[str, ...] = ()  # what `spawn` ran: `tandem <argv>`, less the address
 
     @property
     def metrics_url(self) -> str | None:
@@ -122,7 +123,7 @@ def spawn(argv: Sequence[str], env: dict[str, str] | None = None, port: int = 0,
         for line in proc.stdout:
             keep(line)
             if " listening on " in line:
-                process = Process(proc, line.rsplit(" ", 1)[1].strip(), lines)
+                process = Process(proc, line.rsplit(" ", 1)[1].strip(), lines, tuple(argv))
                 threading.Thread(target=read_on, daemon=True).start()
                 return process
     except BaseException:  # interrupted before it announced itself: it is nobody's to stop
@@ -133,6 +134,15 @@ def spawn(argv: Sequence[str], env: dict[str, str] | None = None, port: int = 0,
         if log is not None and proc.poll() is not None:
             log.close()
     raise RuntimeError(f"tandem {argv[0]} exited with {proc.wait()}:\n{''.join(lines)}")
+
+
+def restart(process: Process, tls: ClientTls | None = None) -> Process:
+    """The service `process` ran, started again on its address (once `process` has exited);
+    returns when it is SERVING."""
+    host, port = process.address.rsplit(":", 1)
+    again = spawn(process.argv, port=int(port), host=host)
+    wait_serving(again, tls=tls)
+    return again
 
 
 def wait_serving(process: Process, timeout: float = 600.0, tls: ClientTls | None = None) -> None:

@@ -17,18 +17,10 @@ import pytest
 from replicas import FAULT_LENGTH, stream_with_fault, wait_for
 from tiny import PROMPTS
 
-from tandem.launch import Process, Stack, spawn, start_stack, wait_serving
+from tandem.launch import Stack, restart, start_stack
 
 pytestmark = pytest.mark.slow  # a stack of real processes per test: minutes (CI runs it)
 
-
-
-def respawn(process: Process, role: str, model: Path) -> Process:
-    """Start `role` again on the port `process` had."""
-    port = int(process.address.rsplit(":", 1)[1])
-    again = spawn([role, "--model", str(model), "--dtype", "float32", "--threads", "1"], port=port)
-    wait_serving(again)
-    return again
 
 
 @pytest.fixture
@@ -80,7 +72,7 @@ def test_last_draft_killed_falls_back_to_the_target_then_returns(one_of_each: St
     assert tokens == reference(PROMPTS[0], FAULT_LENGTH)
     assert any("going on with the target alone" in line for line in one_of_each.orchestrator.lines)
     # The draft comes back on the same address: new requests use it again.
-    one_of_each.drafts[0] = respawn(draft, "draft-service", tiny_draft)
+    one_of_each.drafts[0] = restart(draft)
     with one_of_each.client() as client:
         def drafting() -> bool:
             reply = client.generate(PROMPTS[1], max_new_tokens=20, num_speculative_tokens=4, ignore_eos=True)
@@ -93,12 +85,12 @@ def test_target_restart_mid_request_is_rebuilt_transparently(one_of_each: Stack,
                                                              tiny_target: Path) -> None:
     target = one_of_each.targets[0]
 
-    def restart() -> None:
+    def kill_and_restart() -> None:
         target.proc.send_signal(signal.SIGKILL)
         target.proc.wait()
-        one_of_each.targets[0] = respawn(target, "target-service", tiny_target)
+        one_of_each.targets[0] = restart(target)
 
-    tokens, summary = stream_with_fault(one_of_each, restart, num_speculative_tokens=4)
+    tokens, summary = stream_with_fault(one_of_each, kill_and_restart, num_speculative_tokens=4)
     assert tokens == reference(PROMPTS[0], FAULT_LENGTH)
     assert summary.usage.completion_tokens == FAULT_LENGTH  # type: ignore[attr-defined]
     assert any("rebuilding it from the history" in line for line in one_of_each.orchestrator.lines)
