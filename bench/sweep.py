@@ -191,7 +191,7 @@ def _start(draft: str, target: str, modes: Sequence[str], *, draft_args: Sequenc
 
     def replica(argv: list[str]) -> Process:
         if tuple(argv) not in replicas:
-            name = f"{argv[0].removesuffix('-service')}-{len(replicas)}"
+            name = f"{argv[0].removesuffix('-service')}-{sum(key[0] == argv[0] for key in replicas)}"
             replicas[tuple(argv)] = spawn(argv, log_file=log_dir / f"{name}.log" if log_dir else None)
         return replicas[tuple(argv)]
 

@@ -62,3 +62,9 @@ def test_the_sweep_measures_every_mode_at_every_concurrency(tiny_draft: Path, ti
     table = (tmp_path / "sweep.md").read_text()
     assert "| batched k=0 | 4 |" in table and "| batched k=0 | 4 | " + f"{by[('batched k=0', 4)]['tokens_per_s']:.2f} | - |" in table
     assert (tmp_path / "sweep.png").stat().st_size > 0
+    # Modes whose services run alike share them: one target for both batched modes, one for
+    # the per-session baseline, one draft; an orchestrator per mode.
+    logs = sorted(p.name for p in (tmp_path / "logs").iterdir())
+    assert [n for n in logs if n.startswith("target")] == ["target-0.log", "target-1.log"]
+    assert len([n for n in logs if n.startswith("draft")]) == 1
+    assert len([n for n in logs if n.startswith("orchestrator")]) == 3
