@@ -28,7 +28,7 @@ from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_
 log = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(eq=False)  # one channel each: compared by identity
 class Link:
     """A channel to a replica, and how many sessions it carries."""
 
