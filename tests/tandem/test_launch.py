@@ -93,7 +93,8 @@ def test_sigterm_to_a_bench_stops_the_stacks_it_started(tiny_draft: Path, tiny_t
     assert sweep.stdout is not None
     output = Output(sweep.stdout)
     try:
-        kids = _wait_for_children(sweep.pid, 7)  # three stacks: 2 + 2 + 3 services
+        # Three modes: two targets (per-session, batched), a draft, an orchestrator per mode.
+        kids = _wait_for_children(sweep.pid, 6)
         assert stop(sweep, timeout=60) == 130, output.text
         assert not any(map(alive, kids)), "services outlived the bench"
     finally:
