@@ -1,7 +1,8 @@
 """`tandem bench-load --chaos`: replicas die, freeze and drain while many sessions share passes.
 
 Two draft replicas, two target replicas and one orchestrator (tiny random models unless
---draft/--target name others), batching on, drafting ahead where the placement allows it.
+--draft/--target name others), batching on, drafting ahead on (`--overlap on`, though the
+replicas share one machine: its guesses and their copies are state a fault can break too).
 Streaming clients send the bench-load workload (greedy and seeded sampled requests; k = 0, 2,
 4 and the adaptive policy). While it runs, faults land one at a time, each after the stack
 has served some requests since the last one recovered:
@@ -94,14 +95,16 @@ def summary(report: Report) -> str:
             f"{len(report.mismatches)} mismatches of {report.deterministic_checked} checked, "
             f"{len(report.events)} faults, {sessions:.0f} sessions and {kv:.0f} KV tokens left; "
             f"{counters.get('tandem_session_rebuilds_total', 0):.0f} session rebuilds, "
-            f"{counters.get('tandem_draft_fallbacks_total', 0):.0f} draft fallbacks")
+            f"{counters.get('tandem_draft_fallbacks_total', 0):.0f} draft fallbacks, "
+            f"{counters.get('tandem_draft_cache_steps_total', 0):.0f} steps drafted ahead")
 
 
 def run_chaos(draft: str, target: str, *, clients: int, requests: int, seed: int, threads: int,
               every: int, schedule: Sequence[Fault] = SCHEDULE) -> Report:
     metrics = ["--metrics-port", "0"]
     stack = start_stack(draft, target, num_drafts=2, num_targets=2, threads=threads,
-                        draft_args=metrics, target_args=metrics, orchestrator_args=metrics)
+                        draft_args=metrics, target_args=metrics,
+                        orchestrator_args=[*metrics, "--overlap", "on"])
     try:
         return run_load(stack, workload(requests, seed), clients, beside=chaos(stack, schedule, every))
     finally:

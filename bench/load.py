@@ -164,9 +164,9 @@ def settle(stack: Stack, timeout: float = SETTLE_S) -> dict[str, dict[str, float
         time.sleep(0.1)
 
 
-# The orchestrator's counters of what it did about lost replicas.
+# The orchestrator's counters of what it did about lost replicas, and of drafting ahead.
 COUNTERS = ("tandem_session_rebuilds_total", "tandem_draft_fallbacks_total",
-            "tandem_draftless_requests_total")
+            "tandem_draftless_requests_total", "tandem_draft_cache_steps_total")
 
 
 def orchestrator_counters(stack: Stack) -> dict[str, float]:

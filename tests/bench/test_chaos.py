@@ -28,4 +28,5 @@ def test_faults_under_load_lose_nothing(tiny_draft: Path, tiny_target: Path) -> 
     assert all(v == 0 for gauges in report.gauges_after.values() for v in gauges.values())
     # Killed and drained replicas held sessions: the orchestrator rebuilt them elsewhere.
     assert report.counters["tandem_session_rebuilds_total"] >= 1
+    assert report.counters["tandem_draft_cache_steps_total"] > 0  # drafting ahead ran
     assert report.problems() == []
