@@ -67,8 +67,9 @@ class OrchestratorConfig(ServerSecurityConfig):
                                "-1: none)")
     log_level: str = option("INFO", "logging level")
     auth_token_file: str = option("", "file holding the bearer token every public API call must "
-                                  "send (empty: no authentication); health and reflection "
-                                  "stay open")
+                                  "send, one per line where several are accepted; read again "
+                                  "when it changes (empty: no authentication); health and "
+                                  "reflection stay open")
     upstream_tls_ca: str = option("", "PEM CA bundle to verify draft/target certificates with "
                                   "(setting any --upstream-tls-* turns on TLS to the replicas)")
     upstream_tls_cert: str = option("", "PEM client certificate to present to the replicas "

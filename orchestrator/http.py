@@ -33,7 +33,7 @@ from tandem.errors import (
     TandemError,
     Unavailable,
 )
-from tandem.security import BearerTokenAuth
+from tandem.security import BearerTokenAuth, Reloading
 
 # What a request may set. Unknown fields are refused (400, naming them): a typo such as
 # "max_token" silently meaning the default would be worse.
@@ -220,7 +220,7 @@ async def _error_response(request: Request, exc: Exception) -> Response:
 class HttpApi:
     """The Starlette app over an engine; `serve()` runs it on the current event loop."""
 
-    def __init__(self, engine: Engine, port: int, token: str | None = None,
+    def __init__(self, engine: Engine, port: int, token: str | Reloading[tuple[str, ...]] | None = None,
                  served_model_name: str = "") -> None:
         self.engine, self.port = engine, port
         self.auth = BearerTokenAuth(token) if token else None

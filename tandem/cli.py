@@ -27,6 +27,7 @@ from tandem.security import (
     ServerTls,
     load_client_tls,
     read_token,
+    token_file,
 )
 
 log = logging.getLogger("tandem.cli")
@@ -249,7 +250,7 @@ def _serve_orchestrator(args: argparse.Namespace) -> None:
     configure_logging(cfg.log_level)
     try:
         service = OrchestratorService(cfg)  # SecurityConfigError is a ValueError
-        token = read_token(cfg.auth_token_file) if cfg.auth_token_file else None
+        token = token_file(cfg.auth_token_file) if cfg.auth_token_file else None
     except ValueError as exc:
         sys.exit(f"orchestrator: {exc}")
     if token and tls is None:

@@ -256,6 +256,21 @@ def read_token(path: str) -> str:
     return token
 
 
+def read_tokens(path: str) -> tuple[str, ...]:
+    """The bearer tokens a server accepts: one per line of `path` (two while clients move from
+    an old token to a new one)."""
+    tokens = tuple(line.strip() for line in _read(path, "--auth-token-file").decode().splitlines()
+                   if line.strip())
+    if any(any(c.isspace() for c in t) or not t.isprintable() for t in tokens):
+        raise SecurityConfigError("--auth-token-file must hold one token per line, without spaces")
+    return tokens
+
+
+def token_file(path: str) -> Reloading[tuple[str, ...]]:
+    """The tokens in `path`, read again when the file changes (a rotated Secret)."""
+    return Reloading([path], lambda: read_tokens(path), read_tokens(path), "--auth-token-file")
+
+
 def bearer_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     return ((AUTHORIZATION, BEARER + token),) if token else ()
 
@@ -271,10 +286,14 @@ class BearerTokenAuth(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     the presented token is ever logged.
     """
 
-    def __init__(self, token: str) -> None:
-        if not token:
-            raise SecurityConfigError("an empty bearer token would let everyone in")
-        self._expected = token.encode()
+    def __init__(self, token: str | Reloading[tuple[str, ...]]) -> None:
+        """`token`: the token, or a token file (`token_file`) that may change while serving."""
+        if isinstance(token, str):
+            if not token:
+                raise SecurityConfigError("an empty bearer token would let everyone in")
+            self._tokens: Callable[[], tuple[str, ...]] = lambda: (token,)
+        else:
+            self._tokens = token.current
 
     def refusal(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> str | None:
         values = [v for k, v in metadata or () if k == AUTHORIZATION]
@@ -285,7 +304,9 @@ class BearerTokenAuth(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         presented = value.encode() if isinstance(value, str) else value
         if len(values) > 1 or not presented.startswith(BEARER.encode()):
             return "malformed authorization metadata: expected one 'Bearer <token>'"
-        if not hmac.compare_digest(presented[len(BEARER):], self._expected):
+        # Every accepted token is compared, in constant time, whichever matches.
+        matches = [hmac.compare_digest(presented[len(BEARER):], t.encode()) for t in self._tokens()]
+        if not any(matches):
             return "invalid bearer token"
         return None
 

@@ -39,7 +39,14 @@ from grpc_reflection.v1alpha import reflection
 
 from tandem import metrics
 from tandem.errors import TandemError
-from tandem.security import OPEN_SERVICES, BearerTokenAuth, ServerTls, refusing, server_credentials
+from tandem.security import (
+    OPEN_SERVICES,
+    BearerTokenAuth,
+    Reloading,
+    ServerTls,
+    refusing,
+    server_credentials,
+)
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +111,7 @@ class RunningServer:
 
 
 async def start_server(services: list[Service], host: str = "127.0.0.1", port: int = 0, *,
-                       tls: ServerTls | None = None, auth_token: str | None = None,
+                       tls: ServerTls | None = None, auth_token: str | Reloading[tuple[str, ...]] | None = None,
                        health_port: int = -1,
                        max_message_bytes: int = MAX_MESSAGE_BYTES) -> RunningServer:
     """Build, bind and start the server (not yet SERVING).
@@ -161,7 +168,7 @@ def _bind(server: grpc.aio.Server, host: str, port: int, tls: ServerTls | None) 
 
 async def serve(services: list[Service], label: str, host: str, port: int,
                 grace_s: float = 30.0, metrics_port: int = -1, *, tls: ServerTls | None = None,
-                auth_token: str | None = None, health_port: int = -1,
+                auth_token: str | Reloading[tuple[str, ...]] | None = None, health_port: int = -1,
                 max_message_bytes: int = MAX_MESSAGE_BYTES,
                 companions: Sequence[Companion] = ()) -> None:
     """Run until SIGTERM/SIGINT. Prints one line when listening and one when serving.

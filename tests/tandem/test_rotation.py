@@ -206,3 +206,20 @@ def test_a_mismatched_pair_is_refused_at_start(tmp_path: Path) -> None:
     with pytest.raises(security.SecurityConfigError, match="--upstream-tls-cert"):
         security.load_client_tls(str(ca.path), str(one.cert), str(two.key), flag="--upstream-tls")
 
+
+
+def test_the_bearer_token_file_is_followed_and_may_hold_an_old_and_a_new_token(tmp_path: Path) -> None:
+    path = tmp_path / "token"
+    path.write_text("first\n")
+    auth = security.BearerTokenAuth(security.token_file(str(path)))
+
+    def refusal(token: str) -> str | None:
+        return auth.refusal([("authorization", "Bearer " + token)])
+
+    assert refusal("first") is None and refusal("second") == "invalid bearer token"
+    _replace(path, b"first\nsecond\n")  # the new token joins while clients move to it
+    assert refusal("first") is None and refusal("second") is None
+    _replace(path, b"second\n")  # the old one leaves
+    assert refusal("second") is None and refusal("first") == "invalid bearer token"
+    _replace(path, b"two words\n")  # does not load: the current tokens stay
+    assert refusal("second") is None and refusal("two words") is not None
