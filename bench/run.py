@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import tempfile
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
@@ -37,6 +38,7 @@ from typing import Any
 
 import torch
 
+from bench import tiny
 from bench.prompts import Prompt, prompts
 from orchestrator.config import OrchestratorConfig
 from orchestrator.policy import expected_tokens
@@ -58,6 +60,7 @@ MODES = HF_MODES + TANDEM_MODES
 # Accepted tokens come from no drafted chain: no draft at all, or a token tree verified in
 # the target's own pass (the chain formulas for alpha, c and the bounds do not apply).
 DRAFTLESS_MODES = ("tandem-k0", "tandem-lookahead", "tandem-medusa")
+TINY_VOCAB = 151_936  # the Qwen2.5 family's: --tiny's logits are as wide as the real pair's
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,9 @@ class Run:
     draft_wait_ms: float = 0.0  # decode steps' waits for the draft
     draft_hits: int = 0  # drafting steps whose history the draft had guessed (overlap on)
     draft_misses: int = 0
+    # Per decode step: the orchestrator's own time and the wire's; per replica pass: its
+    # stages (ms) and bytes read to the host (`machinery`).
+    machinery: dict[str, float] = field(default_factory=dict)
 
     @property
     def tok_s(self) -> float:
@@ -178,6 +184,46 @@ def tandem_run(client: Any, ids: list[int], setting: Setting, n: int, seed: int,
     wall = time.perf_counter() - started
     assert summary is not None, "the stream ended without a summary"
     return token_ids, wall, (first or started) - started, first_tokens, summary.usage
+
+
+#: The machinery split's columns: per decode step, then per replica pass.
+MACHINERY = ("orchestrator_ms", "wire_ms", "target_before_ms", "target_forward_ms", "target_after_ms",
+             "target_host_bytes", "draft_before_ms", "draft_forward_ms", "draft_after_ms",
+             "draft_host_bytes")
+
+
+def machinery(usage: Any) -> dict[str, float]:
+    """A request's machinery (its Usage): the orchestrator's own time and the wire's per
+    decode step, and each replica's pass by stage, per pass."""
+    steps = max(1, usage.target_forward_passes - 1)  # the first step prefills
+    out = {"orchestrator_ms": usage.orchestrator_ms / steps, "wire_ms": usage.replica_wire_ms / steps}
+    for name, split in (("target", usage.target_passes), ("draft", usage.draft_passes)):
+        if split.pass_count:
+            n = split.pass_count
+            out |= {f"{name}_before_ms": split.host_before_ms / n, f"{name}_forward_ms": split.forward_ms / n,
+                    f"{name}_after_ms": split.host_after_ms / n, f"{name}_host_bytes": split.host_bytes / n}
+    return out
+
+
+def machinery_table(setting: str, table: dict[str, Any], f: Any) -> list[str]:
+    """Where a step's time goes besides the forwards: medians over the mode's runs."""
+    lines = [f"## {setting}: machinery", "",
+             ("| mode | orchestrator ms/step | wire ms/step | target pass: before / forward / after ms "
+              "| target bytes to host/pass | draft pass: before / forward / after ms "
+              "| draft bytes to host/pass |"), "|" + "---|" * 7]
+    for mode, r in table.items():
+        m = r.get("machinery")
+        if not m:
+            continue
+
+        def stages(name: str, m: dict[str, float] = m) -> str:
+            parts = [m.get(f"{name}_{s}_ms") for s in ("before", "forward", "after")]
+            return " / ".join(f(v, "{:.2f}") for v in parts) if parts[0] is not None else "-"
+
+        lines.append(f"| {mode} | {f(m.get('orchestrator_ms'), '{:.2f}')} | {f(m.get('wire_ms'), '{:.2f}')} "
+                     f"| {stages('target')} | {f(m.get('target_host_bytes'), '{:.0f}')} | {stages('draft')} "
+                     f"| {f(m.get('draft_host_bytes'), '{:.0f}')} |")
+    return [*lines, ""]
 
 
 def peak_rss_mb(pid: int | str = "self") -> float:
@@ -273,6 +319,8 @@ def summarize(runs: list[Run], verify_ratio: dict[int, float] | None = None) -> 
                         for r in mine),
                 }
                 row["per_step"] = step
+                row["machinery"] = {key: statistics.median(r.machinery[key] for r in mine)
+                                    for key in MACHINERY if all(key in r.machinery for r in mine)}
                 tested = accepted + sum(r.rejected for r in mine)
                 if drafted and tested and mode not in DRAFTLESS_MODES:
                     # Per tested token: a block stops at its first rejection, and the drafts
@@ -350,6 +398,8 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any],
     for setting, table in summary.items():
         if set(OVERLAP_MODES) & set(table):
             lines += overlap_table(setting, table, f)
+        if any(r.get("machinery") for r in table.values()):
+            lines += machinery_table(setting, table, f)
         lines += [f"## {setting}", "",
                   ("| mode | tok/s | ×hf-target | ×hf-assisted | ×hf-assisted-cheap | ×tandem-k0 | TTFT s "
                    "| decode tok/s | decode ×hf-target | decode ×hf-assisted | decode ×tandem-k0 "
@@ -480,7 +530,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--lookahead", default=None, help="target's W,N,G for tandem-lookahead "
                         "(default: the target service's)")
+    parser.add_argument("--tiny", action="store_true",
+                        help="the machinery alone: a tiny random model with a 152k-token vocabulary "
+                        "as target and (identical: every token accepted) draft, float32, one thread "
+                        "per process; modes hf-target, tandem-k0 and tandem at k=4 (unless given)")
     args = parser.parse_args(argv)
+    if args.tiny:
+        tiny_dir = Path(tempfile.mkdtemp(prefix="tandem-tiny-"))
+        target = tiny.make_model(tiny_dir / "target", seed=1, vocab_size=TINY_VOCAB, hidden=64, layers=2)
+        args.target = str(target)
+        args.draft = str(tiny.make_draft_like(target, tiny_dir / "draft", noise=0.0, seed=2))
+        args.target_dtype = args.cheap_draft = "float32"
+        # Both sides on torch's own kernels: the same forward as HF's, so what differs is machinery.
+        args.threads, args.code_prompts, args.matmul = 1, "own", "default"
+        args.modes = args.modes or "hf-target,tandem-k0,tandem"
+        args.num_speculative_tokens = args.num_speculative_tokens or 4
+        if not args.quick:
+            args.num_code, args.num_prose, args.settings = 4, 2, "greedy"
+            args.max_new_tokens = args.max_new_tokens or 64
     if args.quick:
         args.num_code, args.num_prose, args.settings = 2, 1, "greedy"
     n = args.max_new_tokens or (32 if args.quick else 128)
@@ -663,7 +730,7 @@ def _one(mode: str, hf: dict[str, Any], clients: dict[str, Any], ids: list[int],
     return Run(mode, setting.name, name, kind, len(tokens), wall, ttft, tokens, usage.drafted_tokens,
                usage.accepted_tokens, usage.target_forward_passes, usage.draft_ms, usage.target_ms,
                usage.total_ms, usage.wire_bytes, usage.prefill_ms, usage.rejected_tokens, first,
-               usage.draft_wait_ms, usage.draft_cache_hits, usage.draft_cache_misses)
+               usage.draft_wait_ms, usage.draft_cache_hits, usage.draft_cache_misses, machinery(usage))
 
 
 if __name__ == "__main__":

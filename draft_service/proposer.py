@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tandem import sampling
+from tandem import host, sampling
 from tandem.batching import Forward, Pass
 from tandem.kv import KVSession, fork_cache
 
@@ -108,14 +108,17 @@ class Drafter:
         keep = min(common, len(history) - 1)  # at least the last token is fed: its logits are q
         state = self.state()
         state.positions = {p: d for p, d in state.positions.items() if p <= keep}
-        logits = (await self.forward(Pass(self.session, keep, tuple(history[keep:])))).logits
-        support, probs = sampling.truncate(sampling.probabilities(logits, self.params)[0],
-                                           self.max_support_size)
-        ranked = torch.topk(logits[0], min(RANKED, logits.shape[-1])).indices
-        position = Position(sampling.SparseDistribution(tuple(support.tolist()), tuple(probs.tolist())),
-                            tuple(ranked.tolist()))
-        self.state().positions[len(history)] = position  # after the pass: a reset at 0 clears the state
-        return position, False
+        params, support = self.params, self.max_support_size
+
+        def read(logits: torch.Tensor, hidden: torch.Tensor | None) -> Position:
+            ranked = torch.topk(logits[0], min(RANKED, logits.shape[-1])).indices
+            return Position(sampling.draft_distribution(logits[0], params, support),
+                            tuple(host.values(ranked)))
+
+        computed: Position = (await self.forward(Pass(self.session, keep, tuple(history[keep:]),
+                                                      reduce=read))).value
+        self.state().positions[len(history)] = computed  # after the pass: a reset at 0 clears the state
+        return computed, False
 
     async def draft(self, history: list[int], k: int) -> tuple[list[int], list[sampling.SparseDistribution], int]:
         """k tokens after `history`, their q, and how many needed no pass.

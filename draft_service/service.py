@@ -18,6 +18,7 @@ import grpc
 from draft_service.proposer import Guesses, ProposedBlock, draft_ahead, propose_block
 from tandem.config import MAX_BLOCK_TOKENS, MAX_SUPPORT_SIZE
 from tandem.errors import InvalidRequest, TandemError
+from tandem.host import split_to_proto
 from tandem.kv import KVSession
 from tandem.metrics import AHEAD_CACHED_TOKENS, AHEAD_TOKENS
 from tandem.model_service import ModelServicer, sampling_from, step_from
@@ -102,6 +103,7 @@ class DraftService(ModelServicer, draft_pb2_grpc.DraftServiceServicer):
                                    for d in block.distributions],
                     cache_length=block.cache_length,
                     compute_ms=ms,
+                    pass_split=split_to_proto(session.take_split()),
                     prebuilt_tokens=block.reused,
                     ahead_hit=hit,
                 )

@@ -12,6 +12,7 @@ import enum
 from dataclasses import dataclass
 
 from tandem import sampling
+from tandem.host import NO_SPLIT, PassSplit
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,7 @@ class DraftBlock:
     compute_ms: float
     prebuilt: int = -1  # tokens drafted ahead, before the step asked (-1: not drafting ahead)
     ahead_hit: bool = False  # the step's history was the branch the draft guessed and drafted
+    split: PassSplit = NO_SPLIT  # the draft replica's passes for it, by stage
 
 
 #: Nothing proposed: the target scores no draft, a plain target step (k=0).
@@ -127,6 +129,7 @@ class TargetScores:
     cache_length: int  # tokens in the target session's cache after the step
     compute_ms: float
     load: PassLoad | None = None  # None: a replica that does not report it
+    split: PassSplit = NO_SPLIT  # the target's pass for it, by stage
 
 
 @dataclass(frozen=True)
@@ -138,6 +141,7 @@ class TreeCommit:
     proposed_count: int  # tokens in the verified tree
     cache_length: int
     compute_ms: float
+    split: PassSplit = NO_SPLIT  # the target's pass for it, by stage
 
 
 #: What a target step answers: the kind matches what the step sent.
@@ -173,6 +177,24 @@ class Step:
     wall_ms: float = 0.0  # the whole step, round trips included
     draft_wait_ms: float = 0.0  # waiting for the drafted block (decode steps)
     draft_hit: bool | None = None  # the draft had guessed this history (None: not drafting ahead)
+    target_call_ms: float = 0.0  # the target's call as the orchestrator waited for it
+    # From the end of the last step to the end of this one: this step and the consumer's
+    # handling of the last (its text, its delta sent to the client).
+    cycle_ms: float = 0.0
+    draft_split: PassSplit = NO_SPLIT  # the replicas' passes for this step, by stage
+    target_split: PassSplit = NO_SPLIT
+
+    @property
+    def orchestrator_ms(self) -> float:
+        """The cycle's time outside its calls to the replicas: the orchestrator's own work."""
+        return max(0.0, self.cycle_ms - self.draft_wait_ms - self.target_call_ms)
+
+    @property
+    def replica_wire_ms(self) -> float:
+        """The calls' time outside the replicas' steps: the wire and gRPC on both ends (a
+        draft's step that ran ahead, before the wait, adds nothing)."""
+        return (max(0.0, self.target_call_ms - self.target_ms)
+                + max(0.0, self.draft_wait_ms - self.draft_ms))
 
 
 @dataclass(frozen=True)
@@ -192,6 +214,12 @@ class Usage:
     draft_wait_ms: float = 0.0  # decode steps' waits for the draft (the draft on the critical path)
     draft_cache_hits: int = 0  # drafting decode steps whose history the draft guessed (overlap on)
     draft_cache_misses: int = 0  # drafting decode steps whose history it did not (overlap on)
+    # Decode steps only: the replicas' passes by stage, the orchestrator's own time and the
+    # wire's (Step.orchestrator_ms, Step.replica_wire_ms).
+    draft_passes: PassSplit = NO_SPLIT
+    target_passes: PassSplit = NO_SPLIT
+    orchestrator_ms: float = 0.0
+    replica_wire_ms: float = 0.0
 
     def fold(self, step: Step, kept: int) -> Usage:
         """This usage after `step`, of whose tokens the first `kept` were delivered (a stop
@@ -207,7 +235,11 @@ class Usage:
             prefill_ms=self.prefill_ms + (step.wall_ms if step.prefill else 0.0),
             draft_wait_ms=self.draft_wait_ms + step.draft_wait_ms,
             draft_cache_hits=self.draft_cache_hits + (step.draft_hit is True),
-            draft_cache_misses=self.draft_cache_misses + (step.draft_hit is False))
+            draft_cache_misses=self.draft_cache_misses + (step.draft_hit is False),
+            draft_passes=self.draft_passes + (NO_SPLIT if step.prefill else step.draft_split),
+            target_passes=self.target_passes + (NO_SPLIT if step.prefill else step.target_split),
+            orchestrator_ms=self.orchestrator_ms + (0.0 if step.prefill else step.orchestrator_ms),
+            replica_wire_ms=self.replica_wire_ms + (0.0 if step.prefill else step.replica_wire_ms))
 
 
 @dataclass(frozen=True)

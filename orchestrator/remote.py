@@ -20,6 +20,7 @@ from orchestrator import wire
 from orchestrator.domain import DraftBlock, ModelInfo, TargetResult, TreeCommit
 from tandem import metrics, sampling
 from tandem.errors import DeadlineExceeded, ReplicaRefused, ResourceExhausted, Unavailable
+from tandem.host import split_from_proto
 from tandem.models import TokenizerFile
 from tandem.security import ClientTls, aio_channel
 from tandem.server import CHANNEL_OPTIONS
@@ -346,7 +347,7 @@ class DraftSession(RemoteSession):
         probs = tuple(d.probs[d.token_ids.index(t)] for t, d in zip(response.token_ids, dists))
         return DraftBlock(tuple(response.token_ids), dists, probs, response.cache_length,
                           response.compute_ms, response.prebuilt_tokens if ahead else -1,
-                          response.ahead_hit)
+                          response.ahead_hit, split_from_proto(response.pass_split))
 
 
 @dataclass

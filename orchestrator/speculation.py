@@ -50,6 +50,7 @@ async def speculate(gen: Generation, proposer: Proposer | None, target: TargetSe
     rng = torch.Generator().manual_seed(gen.seed)
     policy = Speculation(gen.policy, gen.num_speculative_tokens if proposer else 0, costs)
     generated = 0
+    mark = time.perf_counter()  # the end of the last step; the consumer's turn follows it
     while generated < gen.max_new_tokens:
         remaining = gen.max_new_tokens - generated
         target_seed = int(torch.randint(0, 2**62, (1,), generator=rng))
@@ -67,16 +68,22 @@ async def speculate(gen: Generation, proposer: Proposer | None, target: TargetSe
             # only slows the target's prefill (the first token), and is wasted if the load rule
             # keeps it plain. (With --overlap on it is, and drafts the first block meanwhile.)
             block = EMPTY_BLOCK
+            called = time.perf_counter()
             result = await target.score(history, block, gen.sampling, target_seed)
+            answered = time.perf_counter()
         elif prefill:
             # Prefill both caches at once; the target alone yields the first token (TTFT).
+            called = started
             block, result = await _both(
                 proposer.get_candidates(history, 0, gen.sampling, gen.seed, ahead=k),
                 target.score(history, EMPTY_BLOCK, gen.sampling, target_seed))
+            answered = time.perf_counter()
         else:
             block = await proposer.get_candidates(history, k, gen.sampling, gen.seed, ahead=k)
-            wait_ms = (time.perf_counter() - started) * 1000.0
+            called = time.perf_counter()
+            wait_ms = (called - started) * 1000.0
             result = await target.score(history, block, gen.sampling, target_seed)
+            answered = time.perf_counter()
 
         if isinstance(result, TreeCommit):  # the target proposed and verified a tree itself
             new, drafted = list(result.committed_token_ids), result.proposed_count
@@ -90,7 +97,8 @@ async def speculate(gen: Generation, proposer: Proposer | None, target: TargetSe
         if proposer is not None:
             proposer.update_candidate_strategy(block, accepted, len(history))
         target.advance(result.cache_length, len(history) + accepted)
-        step_ms = (time.perf_counter() - started) * 1000.0
+        ended = time.perf_counter()
+        step_ms, cycle_ms, mark = (ended - started) * 1000.0, (ended - mark) * 1000.0, ended
         # Not a target's own tree pass: it scores a segment of a width not known here, and its
         # cost would be filed under its 1-2 new tokens, where the draft policy reads.
         if not prefill and not isinstance(result, TreeCommit):
@@ -107,6 +115,8 @@ async def speculate(gen: Generation, proposer: Proposer | None, target: TargetSe
                    drafted=drafted, rejected=rejected, prefill=prefill,
                    draft_ms=block.compute_ms, target_ms=result.compute_ms, wall_ms=step_ms,
                    draft_wait_ms=wait_ms,
-                   draft_hit=None if block.prebuilt < 0 or not block.token_ids else block.ahead_hit)
+                   draft_hit=None if block.prebuilt < 0 or not block.token_ids else block.ahead_hit,
+                   target_call_ms=(answered - called) * 1000.0, cycle_ms=cycle_ms, draft_split=block.split,
+                   target_split=result.split)
         if finished_by_eos:
             return

@@ -25,6 +25,7 @@ from orchestrator.domain import (
 )
 from tandem import sampling
 from tandem.errors import InvalidRequest
+from tandem.host import split_from_proto, split_to_proto
 from tandem.models import TokenizerFile
 from tandem.v1 import common_pb2, orchestrator_pb2, target_pb2
 
@@ -112,11 +113,11 @@ def target_result_from_proto(proto: target_pb2.ScoreBlocksResponse) -> TargetRes
         return TargetScores(sampling.ScoredBlock(tuple(scores.target_probs),
                                                  tuple(scores.recovered_token_ids),
                                                  scores.bonus_token_id),
-                            proto.cache_length, proto.compute_ms, load)
+                            proto.cache_length, proto.compute_ms, load, split_from_proto(proto.pass_split))
     if kind == "verified_tree":
         tree = proto.verified_tree
         return TreeCommit(tuple(tree.committed_token_ids), tree.proposed_token_count,
-                          proto.cache_length, proto.compute_ms)
+                          proto.cache_length, proto.compute_ms, split_from_proto(proto.pass_split))
     return None
 
 
@@ -158,7 +159,9 @@ def usage_to_proto(usage: Usage, wire_bytes: int, total_ms: float) -> orchestrat
         wire_bytes=wire_bytes, draft_ms=usage.draft_ms, target_ms=usage.target_ms,
         prefill_ms=usage.prefill_ms, proposer=proposer_to_proto(usage.proposer),
         total_ms=total_ms, draft_wait_ms=usage.draft_wait_ms,
-        draft_cache_hits=usage.draft_cache_hits, draft_cache_misses=usage.draft_cache_misses)
+        draft_cache_hits=usage.draft_cache_hits, draft_cache_misses=usage.draft_cache_misses,
+        draft_passes=split_to_proto(usage.draft_passes), target_passes=split_to_proto(usage.target_passes),
+        orchestrator_ms=usage.orchestrator_ms, replica_wire_ms=usage.replica_wire_ms)
 
 
 def delta_to_proto(delta: Delta) -> orchestrator_pb2.GenerateResponse:

@@ -38,7 +38,7 @@ from transformers import AttentionInterface, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from tandem import models
+from tandem import host, models
 from tandem.kv import KVSession, Segment, SessionTable, segment_layout, tree_segment
 from tandem.lm import BatchCache, CausalLM
 
@@ -70,6 +70,12 @@ def awaited(away_s: dict[int, float | None], queued: set[int], budget_s: float) 
     return set(waiting), min(budget_s, 2 * max(waiting.values()) + 0.002)  # 2 ms: a wake-up's slack
 
 
+#: What a step reads from its pass, run on the worker right after the forward, where the
+#: logits are (the model's device): (logits [rows, vocab], hidden [rows, h] or None) -> the few
+#: values the step needs, read to the host through `host.values` / `host.to_host`.
+Reduce = Callable[[torch.Tensor, torch.Tensor | None], Any]
+
+
 @dataclass(frozen=True, eq=False)
 class Pass:
     """One session's part of a forward pass."""
@@ -80,6 +86,7 @@ class Pass:
     logits_to_keep: int = 1  # the last rows over token_ids (then every segment row)
     segment: Segment = EMPTY_SEGMENT  # [t] scored after token_ids, then forgotten
     with_hidden: bool = False  # the last hidden states at the same rows
+    reduce: Reduce | None = None  # what the step reads of the logits (PassOutput.value)
 
     @property
     def num_tokens(self) -> int:
@@ -88,8 +95,14 @@ class Pass:
 
 @dataclass(frozen=True)
 class PassOutput:
-    logits: torch.Tensor  # [logits_to_keep + t, vocab], fp32, CPU
-    hidden: torch.Tensor | None  # [logits_to_keep + t, hidden], fp32, CPU
+    logits: torch.Tensor  # [logits_to_keep + t, vocab], on the model's device, in its dtype
+    hidden: torch.Tensor | None  # [logits_to_keep + t, hidden], likewise
+    value: Any = None  # what the pass's `reduce` returned (None without one)
+
+
+def finish(p: Pass, logits: torch.Tensor, hidden: torch.Tensor | None) -> PassOutput:
+    """A pass's output: its rows, and what its step reads of them (`Pass.reduce`)."""
+    return PassOutput(logits, hidden, p.reduce(logits, hidden) if p.reduce is not None else None)
 
 
 #: How a service runs a pass: the host's scheduler, or `direct` in tests and tools.
@@ -140,10 +153,10 @@ def single(model: CausalLM, p: Pass) -> PassOutput:
     """A pass on its own: the per-session forward, with the model's own mask."""
     p.session.extend(p.cache_position, p.token_ids)
     if not p.segment.token_ids and not p.with_hidden:
-        return PassOutput(p.session.forward(model, list(p.token_ids), p.logits_to_keep), None)
+        return finish(p, p.session.forward(model, list(p.token_ids), p.logits_to_keep), None)
     assert p.logits_to_keep == 1, "a pass with a segment or hidden states keeps one history row"
     logits, hidden = p.session.forward_segment(model, list(p.token_ids), p.segment, p.with_hidden)
-    return PassOutput(logits, hidden)
+    return finish(p, logits, hidden)
 
 
 @torch.inference_mode()
@@ -185,20 +198,21 @@ def batched(model: CausalLM, passes: list[Pass], window: int | None,
     allowed = torch.block_diag(*blocks)  # type: ignore[no-untyped-call]  # [T, S]
     mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
     with_hidden = any(p.with_hidden for p in passes)
-    out = model(input_ids=torch.tensor([ids], device=device), position_ids=torch.tensor([positions], device=device),
-                attention_mask=mask[None, None].to(device), cache=BatchCache(parts), use_cache=True,
-                output_hidden_states=with_hidden, logits_to_keep=torch.tensor(rows, device=device),
-                tandem_sessions=tuple(sessions))
-    logits = out.logits[0].float().cpu()  # [len(rows), vocab]
-    hidden = out.hidden_states[-1][0, rows].float().cpu() if with_hidden else None
+    with host.forward(device):
+        out = model(input_ids=torch.tensor([ids], device=device), position_ids=torch.tensor([positions], device=device),
+                    attention_mask=mask[None, None].to(device), cache=BatchCache(parts), use_cache=True,
+                    output_hidden_states=with_hidden, logits_to_keep=torch.tensor(rows, device=device),
+                    tandem_sessions=tuple(sessions))
+    logits = out.logits[0]  # [len(rows), vocab], on the device
+    hidden = out.hidden_states[-1][0, rows] if with_hidden else None
     outputs, start = [], 0
     for p, c in zip(passes, cached, strict=True):
         end = start + p.logits_to_keep + len(p.segment.token_ids)
-        outputs.append(PassOutput(logits[start:end], hidden[start:end] if p.with_hidden and hidden is not None
-                                  else None))
-        start = end
         if p.segment.token_ids:  # the segment sat at tree positions: forget it
             p.session.rollback(c + len(p.token_ids))
+        outputs.append(finish(p, logits[start:end], hidden[start:end] if p.with_hidden and hidden is not None
+                              else None))
+        start = end
     return outputs
 
 
@@ -235,7 +249,7 @@ def batching_refusal(model: CausalLM) -> str | None:
     # differently, a leak across sessions or a lost position moves them by far more.
     tolerance = 1e-4 if model.get_input_embeddings().weight.dtype == torch.float32 else 2e-2
     for got, want in zip(together, alone, strict=True):
-        moved = float((torch.softmax(got.logits, -1) - torch.softmax(want.logits, -1)).abs().max())
+        moved = float((torch.softmax(got.logits.float(), -1) - torch.softmax(want.logits.float(), -1)).abs().max())
         if moved > tolerance:
             return (f"a batched probe pass did not reproduce the sessions' own probabilities "
                     f"(moved by {moved:.2g})")
@@ -331,6 +345,7 @@ class BatchStats:
     sessions: int
     tokens: int
     ms: float = 0.0
+    split: host.PassSplit = host.NO_SPLIT  # where the pass's time went
 
 
 class StepScheduler:
@@ -469,10 +484,11 @@ class StepScheduler:
                     q.loop.call_soon_threadsafe(self._over, q, None, None)
             if not live:
                 continue
-            started = time.perf_counter()
+            clock = host.begin()
             outputs = self._forward(live)
+            split = clock.split()
             stats = BatchStats(len(live), sum(q.p.num_tokens for q in live),
-                               (time.perf_counter() - started) * 1000.0)
+                               (time.perf_counter() - clock.started) * 1000.0, split)
             with self._ready:
                 ended, ids = time.perf_counter(), {id(q.p.session) for q in live}
                 self._recent = {sid: self._recent.get(sid) for sid in self._last | ids}
@@ -495,6 +511,7 @@ class StepScheduler:
         """On the event loop: a pass ran (`output`, in the pass `stats`) or was skipped (None)."""
         if stats is not None:
             q.p.session.last_pass = stats  # read by the step once its future resolves
+            q.p.session.split += stats.split
         if output is not None:
             _settle(q.future, output)
         q.p.session.pass_over()

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from tandem import host
 from tandem.errors import (
     BudgetHeld,
     CacheMismatch,
@@ -97,6 +98,8 @@ class KVSession:
     last_used: int = 0
     # The last forward pass that served this session (a batching.BatchStats), for its reply.
     last_pass: Any = None
+    # The passes that served it since its last reply, summed (`take_split`).
+    split: host.PassSplit = host.NO_SPLIT
     in_step: bool = False  # a step of it is under way: it is not evicted
     evicted: bool = False
     # The token ids whose KV the cache holds: the first `length` of them (passes record them).
@@ -118,6 +121,11 @@ class KVSession:
     @property
     def length(self) -> int:
         return int(self.cache.get_seq_length())
+
+    def take_split(self) -> host.PassSplit:
+        """Where the passes since the last call spent their time, summed; the sum starts again."""
+        split, self.split = self.split, host.NO_SPLIT
+        return split
 
     def pass_over(self) -> None:
         """One of its passes ran or was skipped (on the event loop, from the scheduler)."""
@@ -202,14 +210,16 @@ class KVSession:
 
     @torch.inference_mode()
     def forward(self, model: CausalLM, token_ids: list[int], logits_to_keep: int) -> torch.Tensor:
-        """Append token_ids to the cache; return the last `logits_to_keep` logits [n, vocab] (CPU, fp32)."""
+        """Append token_ids to the cache; return the last `logits_to_keep` logits [n, vocab] (on the
+        model's device, in its dtype)."""
         device = model.get_input_embeddings().weight.device
         ids = torch.tensor([token_ids], dtype=torch.long, device=device)
         # transformers >= 5.24 names the argument `cache` (past_key_values is deprecated); the
         # DynamicCache is updated in place.
-        out = model(input_ids=ids, cache=self.cache, use_cache=True,
-                    logits_to_keep=last_rows(len(token_ids), logits_to_keep, device))
-        logits: torch.Tensor = out.logits[0, -logits_to_keep:].float().cpu()
+        with host.forward(device):
+            out = model(input_ids=ids, cache=self.cache, use_cache=True,
+                        logits_to_keep=last_rows(len(token_ids), logits_to_keep, device))
+        logits: torch.Tensor = out.logits[0, -logits_to_keep:]
         return logits
 
     @torch.inference_mode()
@@ -217,7 +227,7 @@ class KVSession:
                         with_hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Append token_ids (history), score `segment` after them in the same pass, forget the segment.
 
-        Returns logits [1 + t, vocab] (CPU, fp32) after the last history token and after each
+        Returns logits [1 + t, vocab] (on the model's device) after the last history token and after each
         segment token, and with_hidden the last hidden states [1 + t, hidden] at those
         positions. The cache ends holding exactly the history: the segment's entries sit at
         non-sequential positions, so they are cropped and never reused.
@@ -231,12 +241,13 @@ class KVSession:
             mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
             where = {"attention_mask": mask[None, None].to(device),
                      "position_ids": torch.tensor([positions], device=device)}
-        out = model(input_ids=torch.tensor([[*token_ids, *segment.token_ids]], device=device),
-                    cache=self.cache, use_cache=True, output_hidden_states=with_hidden,
-                    logits_to_keep=last_rows(n + t, t + 1, device), **where)
+        with host.forward(device):
+            out = model(input_ids=torch.tensor([[*token_ids, *segment.token_ids]], device=device),
+                        cache=self.cache, use_cache=True, output_hidden_states=with_hidden,
+                        logits_to_keep=last_rows(n + t, t + 1, device), **where)
         self.rollback(cached + n)
-        logits: torch.Tensor = out.logits[0].float().cpu()
-        hidden = out.hidden_states[-1][0, n - 1:].float().cpu() if with_hidden else None
+        logits: torch.Tensor = out.logits[0]
+        hidden = out.hidden_states[-1][0, n - 1:] if with_hidden else None
         return logits, hidden
 
 

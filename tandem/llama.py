@@ -30,7 +30,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from tandem.batching import Pass, PassOutput, pass_times
+from tandem import host
+from tandem.batching import Pass, PassOutput, finish, pass_times
 from tandem.errors import ResourceExhausted
 from tandem.kv import KVSession
 
@@ -150,6 +151,7 @@ class LlamaEngine:
         lib.llama_backend_init()
         params = lib.llama_model_default_params()
         params.n_gpu_layers = gpu_layers
+        self.offloaded = gpu_layers != 0  # the logits come from a device
         self.model = lib.llama_model_load_from_file(path.encode(), params)
         if not self.model:
             raise LlamaError(f"llama.cpp cannot load {path} (not a GGUF model it knows?)")
@@ -260,7 +262,7 @@ class LlamaEngine:
         rows = self._decode(entries)
         for p in passes:
             p.session.cache.length += len(p.token_ids)
-        return [PassOutput(r, None) for r in rows]
+        return [finish(p, r, None) for p, r in zip(passes, rows, strict=True)]
 
     def _decode(self, entries: list[tuple[int, int, tuple[int, ...], int]]) -> list[torch.Tensor]:
         """Decode the entries' tokens in batches of at most `batch_tokens`; each entry's last
@@ -278,7 +280,8 @@ class LlamaEngine:
                     batch.n_seq_id[i], batch.seq_id[i][0] = 1, seq
                     batch.logits[i] = wanted
                 batch.n_tokens = len(chunk)
-                status = self.lib.llama_decode(self.ctx, batch)
+                with host.forward():
+                    status = self.lib.llama_decode(self.ctx, batch)
                 if status != 0:
                     raise LlamaError(f"llama_decode failed with status {status} (the context holds "
                                      f"{self.context_tokens} tokens over every sequence)")
@@ -287,6 +290,8 @@ class LlamaEngine:
                         pointer = self.lib.llama_get_logits_ith(self.ctx, i)
                         row = np.ctypeslib.as_array(pointer, shape=(self.vocab_size,))
                         kept_rows[e].append(torch.from_numpy(row.copy()))
+                        if self.offloaded:  # llama.cpp copied the row from the device
+                            host.count(row.nbytes)
             finally:
                 self.lib.llama_batch_free(batch)
         return [torch.stack(rows) for rows in kept_rows]

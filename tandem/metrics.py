@@ -30,6 +30,7 @@ import grpc
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
 from tandem.errors import TandemError
+from tandem.host import NO_SPLIT, PassSplit
 
 # Latency buckets from half a millisecond (a draft step of a tiny model) to a minute (a
 # long request); the same ladder serves steps, stages and whole requests.
@@ -138,6 +139,14 @@ BATCH_SESSIONS = Histogram("tandem_batch_sessions", "Sessions whose steps shared
 BATCH_TOKENS = Histogram("tandem_batch_tokens", "Tokens in one forward pass, over its sessions.",
                          ["model"], buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096))
 
+PASS_STAGE_SECONDS = Histogram("tandem_pass_stage_duration_seconds",
+                               "One forward pass's time by stage: host work before the forward "
+                               "(before), the forward itself (forward), host work after it "
+                               "(after: sampling, scoring, reading results).",
+                               ["model", "stage"], buckets=SECONDS_BUCKETS)
+PASS_HOST_BYTES = Counter("tandem_pass_host_bytes",
+                          "Bytes forward passes read from device tensors into host memory.", ["model"])
+
 
 def observe_step(*, drafted: int, accepted: int, draft_s: float, verify_s: float,
                  step_s: float) -> None:
@@ -215,6 +224,7 @@ class ReplicaMetrics:
     kv_cached_tokens: Gauge
     batch_sessions: Histogram
     batch_tokens: Histogram
+    model: str = ""
 
     @classmethod
     def for_model(cls, model: str, max_sessions: int) -> ReplicaMetrics:
@@ -222,12 +232,18 @@ class ReplicaMetrics:
         return cls(SESSIONS_ACTIVE.labels(model), SESSIONS.labels(model),
                    STEPS_IN_FLIGHT.labels(model), STEP_SECONDS.labels(model),
                    KV_CACHED_TOKENS.labels(model), BATCH_SESSIONS.labels(model),
-                   BATCH_TOKENS.labels(model))
+                   BATCH_TOKENS.labels(model), model)
 
-    def forward_pass(self, sessions: int, tokens: int) -> None:
-        """One forward pass of the step scheduler: how many sessions and tokens it served."""
+    def forward_pass(self, sessions: int, tokens: int, split: PassSplit = NO_SPLIT) -> None:
+        """One forward pass of the step scheduler: how many sessions and tokens it served,
+        and where its time went."""
         self.batch_sessions.observe(sessions)
         self.batch_tokens.observe(tokens)
+        if split.passes:
+            for stage, ms in (("before", split.before_ms), ("forward", split.forward_ms),
+                              ("after", split.after_ms)):
+                PASS_STAGE_SECONDS.labels(self.model, stage).observe(ms / 1000.0)
+            PASS_HOST_BYTES.labels(self.model).inc(split.host_bytes)
 
     def session_opened(self) -> None:
         self.sessions.inc()

@@ -159,7 +159,7 @@ class ModelHost:
         self.metrics = ReplicaMetrics.for_model(config.model, config.max_sessions)
         self.scheduler = batching.StepScheduler(
             config.max_batch_sessions, config.max_batch_tokens,
-            lambda stats: self.metrics.forward_pass(stats.sessions, stats.tokens), self.sessions,
+            lambda stats: self.metrics.forward_pass(stats.sessions, stats.tokens, stats.split), self.sessions,
             batching.parse_buckets(config.batch_token_buckets, config.max_batch_tokens, config.device))
 
     def _load_model(self) -> tuple[CausalLM, str, parallel.Group | None]:

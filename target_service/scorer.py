@@ -41,12 +41,13 @@ async def score_block(
     under the request's own sampling parameters.
     """
     k = len(draft_token_ids)
-    logits = (await forward(Pass(session, step.cache_position, (*step.new_token_ids, *draft_token_ids),
-                                 logits_to_keep=k + 1))).logits
-    probs = sampling.probabilities(logits, params)  # [k+1, vocab]
-    generator = torch.Generator().manual_seed(seed)
-    scored = sampling.score_block(probs, draft_token_ids, draft_distributions, generator)
-    return ScoredStep(scored=scored, cache_length=session.length)
+
+    def score(logits: torch.Tensor, hidden: torch.Tensor | None) -> sampling.ScoredBlock:
+        return sampling.score_logits(logits, params, draft_token_ids, draft_distributions, seed)
+
+    out = await forward(Pass(session, step.cache_position, (*step.new_token_ids, *draft_token_ids),
+                             logits_to_keep=k + 1, reduce=score))
+    return ScoredStep(scored=out.value, cache_length=session.length)
 
 
 async def propose_and_verify(
@@ -70,15 +71,18 @@ async def propose_and_verify(
     reach = step.cache_position + len(step.new_token_ids) + proposer.max_segment_tokens
     proposing = reach <= exact_positions
     candidates = proposer.get_candidates(session, step.new_token_ids) if proposing else NO_CANDIDATES
-    out = await forward(Pass(session, step.cache_position, tuple(step.new_token_ids),
-                             segment=candidates.segment, with_hidden=proposer.with_hidden))
-    logits, hidden = out.logits, out.hidden
     rows = [0, *(1 + i for i in candidates.tree_nodes)]
-    probs = sampling.probabilities(logits[rows], params)  # [1 + m, vocab]
-    generator = torch.Generator().manual_seed(seed)
-    verdict = sampling.verify_tree(probs, candidates.tree_token_ids, candidates.tree_parents,
-                                   generator)
+
+    def verify(logits: torch.Tensor, hidden: torch.Tensor | None) -> sampling.TreeVerdict:
+        probs = sampling.probabilities(logits[rows], params)  # [1 + m, vocab]
+        return sampling.verify_tree(probs, candidates.tree_token_ids, candidates.tree_parents,
+                                    sampling.generator(seed, logits.device))
+
+    out = await forward(Pass(session, step.cache_position, tuple(step.new_token_ids),
+                             segment=candidates.segment, with_hidden=proposer.with_hidden,
+                             reduce=verify))
+    verdict: sampling.TreeVerdict = out.value
     if proposing:
-        proposer.update_candidate_strategy(session, candidates, logits, hidden, verdict)
+        proposer.update_candidate_strategy(session, candidates, out.logits, out.hidden, verdict)
     path = tuple(candidates.tree_token_ids[i] for i in verdict.accepted_nodes)
     return VerifiedStep((*path, verdict.next_token_id), len(candidates.tree_nodes), session.length)

@@ -11,6 +11,7 @@ import grpc
 from tandem import models, sampling
 from tandem.config import MAX_BLOCK_TOKENS
 from tandem.errors import InvalidRequest, Unavailable
+from tandem.host import split_to_proto
 from tandem.kv import KVSession
 from tandem.model_service import ModelHost, ModelServicer, sampling_from, step_from
 from tandem.server import handle_errors
@@ -89,7 +90,8 @@ class TargetService(ModelServicer, target_pb2_grpc.TargetServiceServicer):
         stats = session.last_pass
         return {"batch_session_count": stats.sessions, "batch_token_count": stats.tokens,
                 "pass_ms": stats.ms, "queue_depth_count": self.host.scheduler.depth,
-                "kv_cache_usage": self.host.sessions.usage()}
+                "kv_cache_usage": self.host.sessions.usage(),
+                "pass_split": split_to_proto(session.take_split())}
 
     @handle_errors
     async def ScoreBlocks(

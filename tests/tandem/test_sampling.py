@@ -338,3 +338,60 @@ def test_a_tiny_temperature_is_nearly_greedy_not_nan(temperature: float) -> None
     logits = torch.tensor([[3.0, 9.0, -2.0, 8.5]])
     probs = sampling.probabilities(logits, SamplingParams(temperature=temperature))
     assert torch.equal(probs, torch.tensor([[0.0, 1.0, 0.0, 0.0]]))
+
+
+@pytest.mark.parametrize("vocab", [151_936, 151_937, 1_100, 37])
+def test_argmax_by_blocks_is_torchs_argmax(vocab: int) -> None:
+    """The lowest id among ties, a maximum in the tail past the last whole block, NaN rows."""
+    torch.manual_seed(vocab)
+    for trial in range(60):
+        logits = torch.randint(-3, 3, (5, vocab)).float() if trial % 2 else torch.randn(5, vocab)
+        if trial % 5 == 0:
+            logits[trial % 5, -1] = 10.0  # the maximum in the tail
+        if trial % 7 == 0:
+            logits[1, (trial * 13) % vocab] = float("nan")
+        assert torch.equal(sampling.argmax(logits), logits.argmax(-1)), trial
+
+
+def _top_p_by_sorting(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The rule as written: sort the whole row, drop a token once the mass before it reaches top_p."""
+    probs = torch.softmax(logits, -1)
+    ranked, order = torch.sort(probs, dim=-1, descending=True)
+    ranked = ranked.masked_fill(torch.cumsum(ranked, -1) - ranked >= top_p, 0.0)
+    kept = torch.zeros_like(probs).scatter_(-1, order, ranked)
+    return kept / kept.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("scale", [0.05, 1.0, 5.0, 30.0])  # from flat (thousands kept) to peaked
+@pytest.mark.parametrize("top_p", [0.1, 0.9, 0.99])
+def test_top_p_over_the_most_likely_tokens_is_the_rule_over_the_sorted_row(scale: float, top_p: float) -> None:
+    torch.manual_seed(int(scale * 100))
+    logits = torch.randn(4, 20_000) * scale
+    got = sampling.probabilities(logits, sampling.SamplingParams(temperature=1.0, top_p=top_p))
+    want = _top_p_by_sorting(logits, top_p)
+    assert torch.equal(got > 0, want > 0)
+    assert torch.allclose(got, want, atol=1e-7)
+
+
+def test_sample_never_draws_a_token_without_mass() -> None:
+    probs = torch.tensor([[0.0, 0.25, 0.0, 0.75, 0.0, 0.0], [1e-30, 0.0, 0.0, 0.0, 0.0, 0.0]])
+    generator = torch.Generator().manual_seed(0)
+    seen = torch.stack([sampling.sample(probs, generator) for _ in range(4000)])
+    assert set(seen[:, 0].tolist()) == {1, 3} and set(seen[:, 1].tolist()) == {0}
+    share = float((seen[:, 0] == 3).double().mean())
+    assert abs(share - 0.75) < 0.03
+
+
+@pytest.mark.parametrize("k", [0, 1, 4])
+def test_greedy_scores_from_the_argmax_are_the_one_hot_rules(k: int) -> None:
+    """score_logits' greedy shortcut gives what score_block gives on the one-hot rows."""
+    torch.manual_seed(k)
+    greedy = sampling.SamplingParams()
+    for trial in range(30):
+        logits = torch.randint(-2, 2, (k + 1, 50)).float()  # many ties: the lowest id wins
+        best = logits.argmax(-1).tolist()
+        drafted = [best[i] if (trial + i) % 2 else (best[i] + 1) % 50 for i in range(k)]
+        dists = [sampling.SparseDistribution((t,), (1.0,)) for t in drafted]
+        want = sampling.score_block(sampling.probabilities(logits, greedy), drafted, dists,
+                                    torch.Generator().manual_seed(trial))
+        assert sampling.score_logits(logits, greedy, drafted, dists, trial) == want
