@@ -539,12 +539,11 @@ def _settle(future: asyncio.Future[PassOutput], output: PassOutput | BaseExcepti
 
 
 def parse_buckets(spec: str, max_tokens: int, device: str) -> tuple[int, ...]:
-    """--batch-token-buckets: "auto" pads to powers of two up to max_tokens on CUDA, not on a
-    CPU (where a padded token is pure cost); "off"; or a comma-separated list."""
-    if spec == "off" or (spec == "auto" and not device.startswith("cuda")):
+    """--batch-token-buckets: "auto" and "off" pad nothing (no pass is captured as a CUDA
+    graph yet, so padding buys no shape reuse and costs the padded tokens and the batched
+    path for a pass alone); or a comma-separated list of sizes to pad to."""
+    if spec in ("off", "auto"):
         return ()
-    if spec == "auto":
-        return tuple(2 ** i for i in range(max_tokens.bit_length()) if 2 ** i <= max_tokens)
     try:
         buckets = tuple(sorted(int(b) for b in spec.split(",")))
     except ValueError:

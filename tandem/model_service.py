@@ -89,10 +89,9 @@ class ModelServiceConfig(ServerSecurityConfig):
                                      "one session per pass, the unbatched baseline)")
     max_batch_tokens: int = option(512, "most tokens in one forward pass over its sessions (a "
                                    "longer single step, such as a prefill, still runs alone)")
-    batch_token_buckets: str = option("auto", "pad each pass's tokens up to one of these sizes, so "
-                                      "a GPU sees few shapes (CUDA graphs): auto (powers of two up "
-                                      "to --max-batch-tokens on CUDA, none on a CPU), off, or "
-                                      "sizes like 8,16,32")
+    batch_token_buckets: str = option("auto", "pad each pass's tokens up to one of these sizes, the "
+                                      "shapes a CUDA graph would be captured for: auto and off pad "
+                                      "nothing (no pass is captured yet); or sizes like 8,16,32")
     tensor_parallel_size: int = option(1, "shard the model over N ranks with torch.distributed "
                                        "(gloo on CPU, NCCL on CUDA, one GPU per rank); rank 0 "
                                        "serves. Without --tp-rank (or torchrun's RANK), rank 0 "
