@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tandem import host, sampling
+from tandem import sampling
 from tandem.batching import Forward, Pass
 from tandem.kv import KVSession, fork_cache
 
@@ -111,9 +111,8 @@ class Drafter:
         params, support = self.params, self.max_support_size
 
         def read(logits: torch.Tensor, hidden: torch.Tensor | None) -> Position:
-            ranked = torch.topk(logits[0], min(RANKED, logits.shape[-1])).indices
             return Position(sampling.draft_distribution(logits[0], params, support),
-                            tuple(host.values(ranked)))
+                            tuple(sampling.top_tokens(logits[0], RANKED)))
 
         computed: Position = (await self.forward(Pass(self.session, keep, tuple(history[keep:]),
                                                       reduce=read))).value

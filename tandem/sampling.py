@@ -108,6 +108,20 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     return best
 
 
+def top_tokens(logits: torch.Tensor, n: int) -> list[int]:
+    """The `n` most likely ids of one row of logits [vocab], most likely first (ties in any
+    order): on a CPU, the top n within the n blocks of the largest maxima, which hold them."""
+    vocab = logits.shape[-1]
+    full = vocab // _ARGMAX_BLOCK * _ARGMAX_BLOCK
+    n = min(n, vocab)
+    if logits.device.type != "cpu" or full < 8 * _ARGMAX_BLOCK or full < vocab or not logits.is_contiguous():
+        return host.values(torch.topk(logits, n).indices)
+    blocks = logits.view(-1, _ARGMAX_BLOCK)  # [blocks, block]
+    chosen = torch.topk(blocks.amax(-1), n).indices  # the blocks holding the n largest values
+    candidates = (chosen[:, None] * _ARGMAX_BLOCK + torch.arange(_ARGMAX_BLOCK)).flatten()
+    return host.values(candidates[torch.topk(logits[candidates], n).indices])
+
+
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The distribution a request samples from: logits [n, vocab] -> probs [n, vocab], float32."""
     logits = logits.to(_F32)

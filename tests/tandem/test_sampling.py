@@ -395,3 +395,12 @@ def test_greedy_scores_from_the_argmax_are_the_one_hot_rules(k: int) -> None:
         want = sampling.score_block(sampling.probabilities(logits, greedy), drafted, dists,
                                     torch.Generator().manual_seed(trial))
         assert sampling.score_logits(logits, greedy, drafted, dists, trial) == want
+
+
+@pytest.mark.parametrize("vocab", [151_936, 151_937, 2_048, 37])
+def test_top_tokens_are_the_most_likely_in_order(vocab: int) -> None:
+    torch.manual_seed(vocab)
+    for trial in range(40):
+        logits = torch.randn(vocab) * (1 + trial % 4)
+        got = sampling.top_tokens(logits, 4)
+        assert logits[got].tolist() == torch.topk(logits, min(4, vocab)).values.tolist()
