@@ -533,7 +533,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tiny", action="store_true",
                         help="the machinery alone: a tiny random model with a 152k-token vocabulary "
                         "as target and (identical: every token accepted) draft, float32, one thread "
-                        "per process; modes hf-target, tandem-k0 and tandem at k=4 (unless given)")
+                        "per process; modes hf-target, tandem-k0 and tandem at k=4, 4 code and 2 "
+                        "prose prompts, 64 tokens (unless given)")
     args = parser.parse_args(argv)
     if args.tiny:
         tiny_dir = Path(tempfile.mkdtemp(prefix="tandem-tiny-"))
@@ -545,9 +546,9 @@ def main(argv: list[str] | None = None) -> None:
         args.threads, args.code_prompts, args.matmul = 1, "own", "default"
         args.modes = args.modes or "hf-target,tandem-k0,tandem"
         args.num_speculative_tokens = args.num_speculative_tokens or 4
-        if not args.quick:
-            args.num_code, args.num_prose, args.settings = 4, 2, "greedy"
-            args.max_new_tokens = args.max_new_tokens or 64
+        if not args.quick and (args.num_code, args.num_prose) == (20, 10):  # the defaults
+            args.num_code, args.num_prose = 4, 2
+        args.max_new_tokens = args.max_new_tokens or (32 if args.quick else 64)
     if args.quick:
         args.num_code, args.num_prose, args.settings = 2, 1, "greedy"
     n = args.max_new_tokens or (32 if args.quick else 128)
