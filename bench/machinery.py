@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from bench import tiny
-from tandem import batching, host, models, sampling
+from tandem import batching, host, models, sampling, split
 from tandem.kv import KVSession
 
 SETTINGS = {"greedy": sampling.SamplingParams(),
@@ -29,7 +29,7 @@ SETTINGS = {"greedy": sampling.SamplingParams(),
 
 
 def measure(runner: batching.Runner, vocab: int, sessions: int, k: int, context: int,
-            params: sampling.SamplingParams, repeats: int) -> host.PassSplit:
+            params: sampling.SamplingParams, repeats: int) -> split.PassSplit:
     """The median pass split of `sessions` sessions, each scoring a k-token block."""
     generator = torch.Generator().manual_seed(0)
     high = min(1000, vocab)
@@ -59,7 +59,7 @@ def measure(runner: batching.Runner, vocab: int, sessions: int, k: int, context:
             runner.batched(passes, ())
         if i:  # the first is a warm-up
             splits.append(clock.split())
-    return host.PassSplit(*(statistics.median(getattr(s, f) for s in splits)  # type: ignore[arg-type]
+    return split.PassSplit(*(statistics.median(getattr(s, f) for s in splits)
                             for f in ("before_ms", "forward_ms", "after_ms", "host_bytes")))
 
 

@@ -18,12 +18,12 @@ import grpc
 from draft_service.proposer import Guesses, ProposedBlock, draft_ahead, propose_block
 from tandem.config import MAX_BLOCK_TOKENS, MAX_SUPPORT_SIZE
 from tandem.errors import InvalidRequest, TandemError
-from tandem.host import split_to_proto
 from tandem.kv import KVSession
 from tandem.metrics import AHEAD_CACHED_TOKENS, AHEAD_TOKENS
 from tandem.model_service import ModelServicer, sampling_from, step_from
 from tandem.sampling import SamplingParams
 from tandem.server import handle_errors
+from tandem.split import split_to_proto
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ import enum
 from dataclasses import dataclass
 
 from tandem import sampling
-from tandem.host import NO_SPLIT, PassSplit
+from tandem.split import NO_SPLIT, PassSplit
 
 
 @dataclass(frozen=True)

@@ -20,10 +20,10 @@ from orchestrator import wire
 from orchestrator.domain import DraftBlock, ModelInfo, TargetResult, TreeCommit
 from tandem import metrics, sampling
 from tandem.errors import DeadlineExceeded, ReplicaRefused, ResourceExhausted, Unavailable
-from tandem.host import split_from_proto
 from tandem.models import TokenizerFile
 from tandem.security import ClientTls, aio_channel
 from tandem.server import CHANNEL_OPTIONS
+from tandem.split import split_from_proto
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 log = logging.getLogger(__name__)

@@ -25,8 +25,8 @@ from orchestrator.domain import (
 )
 from tandem import sampling
 from tandem.errors import InvalidRequest
-from tandem.host import split_from_proto, split_to_proto
 from tandem.models import TokenizerFile
+from tandem.split import split_from_proto, split_to_proto
 from tandem.v1 import common_pb2, orchestrator_pb2, target_pb2
 
 _PROPOSER_PREFIX = "PROPOSER_"

@@ -41,6 +41,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from tandem import host, models
 from tandem.kv import KVSession, Segment, SessionTable, segment_layout, tree_segment
 from tandem.lm import BatchCache, CausalLM
+from tandem.split import NO_SPLIT, PassSplit
 
 log = logging.getLogger(__name__)
 
@@ -345,7 +346,7 @@ class BatchStats:
     sessions: int
     tokens: int
     ms: float = 0.0
-    split: host.PassSplit = host.NO_SPLIT  # where the pass's time went
+    split: PassSplit = NO_SPLIT  # where the pass's time went
 
 
 class StepScheduler:

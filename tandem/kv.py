@@ -26,6 +26,7 @@ from tandem.errors import (
     SessionEvicted,
 )
 from tandem.lm import CausalLM
+from tandem.split import NO_SPLIT, PassSplit
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,7 @@ class KVSession:
     # The last forward pass that served this session (a batching.BatchStats), for its reply.
     last_pass: Any = None
     # The passes that served it since its last reply, summed (`take_split`).
-    split: host.PassSplit = host.NO_SPLIT
+    split: PassSplit = NO_SPLIT
     in_step: bool = False  # a step of it is under way: it is not evicted
     evicted: bool = False
     # The token ids whose KV the cache holds: the first `length` of them (passes record them).
@@ -122,10 +123,10 @@ class KVSession:
     def length(self) -> int:
         return int(self.cache.get_seq_length())
 
-    def take_split(self) -> host.PassSplit:
+    def take_split(self) -> PassSplit:
         """Where the passes since the last call spent their time, summed; the sum starts again."""
-        split, self.split = self.split, host.NO_SPLIT
-        return split
+        taken, self.split = self.split, NO_SPLIT
+        return taken
 
     def pass_over(self) -> None:
         """One of its passes ran or was skipped (on the event loop, from the scheduler)."""

@@ -30,7 +30,7 @@ import grpc
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
 from tandem.errors import TandemError
-from tandem.host import NO_SPLIT, PassSplit
+from tandem.split import NO_SPLIT, PassSplit
 
 # Latency buckets from half a millisecond (a draft step of a tiny model) to a minute (a
 # long request); the same ladder serves steps, stages and whole requests.

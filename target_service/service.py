@@ -11,10 +11,10 @@ import grpc
 from tandem import models, sampling
 from tandem.config import MAX_BLOCK_TOKENS
 from tandem.errors import InvalidRequest, Unavailable
-from tandem.host import split_to_proto
 from tandem.kv import KVSession
 from tandem.model_service import ModelHost, ModelServicer, sampling_from, step_from
 from tandem.server import handle_errors
+from tandem.split import split_to_proto
 from tandem.v1 import common_pb2, target_pb2, target_pb2_grpc
 from target_service.candidates import TargetProposer
 from target_service.proposers import build_proposers
