@@ -85,13 +85,20 @@ def validate(params: SamplingParams) -> None:
 _ARGMAX_BLOCK = 128
 
 
+def _blocked(logits: torch.Tensor) -> int:
+    """How many leading ids of each row the block searches cover (whole blocks), or 0 where
+    they do not pay: off a CPU, a vocabulary under 8 blocks, or rows not laid out contiguously."""
+    full = logits.shape[-1] // _ARGMAX_BLOCK * _ARGMAX_BLOCK
+    return full if logits.device.type == "cpu" and full >= 8 * _ARGMAX_BLOCK and logits.is_contiguous() else 0
+
+
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """`logits.argmax(-1)` for logits [n, vocab], the lowest id among ties as there (and in HF's
     greedy search); on a CPU about ten times faster for a 152k vocabulary, whose index-tracking
     argmax is not vectorised. A row holding NaN goes to the plain argmax."""
     n, vocab = logits.shape
-    full = vocab // _ARGMAX_BLOCK * _ARGMAX_BLOCK
-    if logits.device.type != "cpu" or full < 8 * _ARGMAX_BLOCK or not logits.is_contiguous():
+    full = _blocked(logits)
+    if not full:
         return logits.argmax(-1)
     blocks = logits.as_strided((n, full // _ARGMAX_BLOCK, _ARGMAX_BLOCK), (vocab, _ARGMAX_BLOCK, 1))
     maxima = blocks.amax(-1)  # [n, blocks]
@@ -112,9 +119,8 @@ def top_tokens(logits: torch.Tensor, n: int) -> list[int]:
     """The `n` most likely ids of one row of logits [vocab], most likely first (ties in any
     order): on a CPU, the top n within the n blocks of the largest maxima, which hold them."""
     vocab = logits.shape[-1]
-    full = vocab // _ARGMAX_BLOCK * _ARGMAX_BLOCK
     n = min(n, vocab)
-    if logits.device.type != "cpu" or full < 8 * _ARGMAX_BLOCK or full < vocab or not logits.is_contiguous():
+    if _blocked(logits) != vocab:  # no tail past the last whole block here
         return host.values(torch.topk(logits, n).indices)
     blocks = logits.view(-1, _ARGMAX_BLOCK)  # [blocks, block]
     chosen = torch.topk(blocks.amax(-1), n).indices  # the blocks holding the n largest values
@@ -319,7 +325,8 @@ def verify_tree(
         for child in children[row]:
             token = token_ids[child]
             mass, chosen = host.values(torch.stack([residual.double().sum(), residual[token].double()]))
-            u = float(torch.rand(1, generator=generator, dtype=torch.float64, device=generator.device))
+            u = float(host.to_host(torch.rand(1, generator=generator, dtype=torch.float64,
+                                              device=generator.device)))
             if u * mass < chosen:
                 path.append(child)
                 row = child + 1
