@@ -6,15 +6,17 @@ rows it needs. It gets `PassOutput` back. Rollback, sampling and scoring stay in
 service; the `StepScheduler` sees every pass and merges the ones that are ready.
 
 A batched pass flattens every session's new tokens into one row [1, T], each at its own
-positions, under a block-diagonal mask: a token sees its own session's cache and, causally,
-its own session's tokens (a segment token: the rows its `visible` names), never another
-session's. The KV stays in each session's own `DynamicCache`: a `BatchCache` hands each
-layer's new keys and values to the sessions' caches and returns their concatenation, which
-the mask splits again. So rollback stays `crop`, eviction stays dropping a cache, and
-nothing here reaches into transformers' internals beyond the cache's `update`. The price is
-one copy of every batched session's KV per layer (cheap next to the weights on a CPU) and
-attention over all T x S scores with most masked (NOTE: a varlen/paged kernel would skip
-them; it matters at long contexts on GPUs).
+positions, and attends session by session: a token sees its own session's cache and,
+causally, its own session's tokens (a segment token: the rows its `visible` names), never
+another session's. The KV stays in each session's own `DynamicCache`: a `BatchCache` hands
+each layer's new keys and values to the sessions' caches and keeps what each then holds, and
+the attention runs per session over exactly that, with a mask made on the device from the
+session's lengths (`lm.Rows.mask`; none for a one-token row). So rollback stays `crop`,
+eviction stays dropping a cache, no session's KV is copied into a shared tensor, and nothing
+here reaches into transformers' internals beyond the cache's `update` and the attention
+interface. What crosses to the device per pass is the ids, the positions, the rows whose
+logits are kept, and a segment's small `visible` matrix. (NOTE: on a GPU this is one sdpa
+call per session per layer; a varlen or paged kernel would make it one per layer.)
 
 A batch of one runs exactly the per-session pass (the model's own mask). Batched
 logits differ from it by float rounding (about 1e-6 in float32), the same caveat as a
@@ -39,8 +41,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from tandem import host, models
-from tandem.kv import KVSession, Segment, SessionTable, segment_layout, tree_segment
-from tandem.lm import BatchCache, CausalLM
+from tandem.kv import KVSession, Segment, SessionTable, tree_segment
+from tandem.lm import BatchCache, CausalLM, Layout, Rows
 from tandem.split import NO_SPLIT, PassSplit
 
 log = logging.getLogger(__name__)
@@ -111,27 +113,26 @@ Forward = Callable[[Pass], Awaitable[PassOutput]]
 
 
 def _sdpa_by_session(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     attention_mask: torch.Tensor | None, *args: Any,
-                     tandem_sessions: tuple[tuple[int, int], ...] | None = None,
+                     attention_mask: torch.Tensor | None, *args: Any, tandem_batch: BatchCache | None = None,
                      **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """transformers' sdpa; in a batched pass (`tandem_sessions`: each session's query rows
-    and keys, in row order), one session at a time.
+    """transformers' sdpa; in a batched pass (`tandem_batch`), one session at a time.
 
-    The block-diagonal mask already keeps sessions apart, so this changes no result beyond
-    rounding; it skips the masked T x S scores between sessions (each session's rows attend
-    to its own keys only) and lets one-token rows use sdpa's grouped-query path instead of
-    copying every key and value head per query head.
+    Each session's rows attend over its own cache as that cache holds it (`BatchCache.held`:
+    no concatenation), under its own mask, built from its lengths on the device
+    (`Rows.mask`): no mask spans two sessions and no score between two is computed, and
+    one-token rows use sdpa's grouped-query path. `key` and `value` (the pass's new
+    tokens) and `attention_mask` (a placeholder) are not read then.
     """
-    if tandem_sessions is None:
+    if tandem_batch is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
-    # query: [1, heads, T, dim]; key, value: [1, kv_heads, S, dim]; mask: [1, 1, T, S]
-    outputs, q0, k0 = [], 0, 0
-    for rows, keys in tandem_sessions:
-        mask = None if attention_mask is None else attention_mask[..., q0:q0 + rows, k0:k0 + keys]
-        out, _ = sdpa_attention_forward(module, query[:, :, q0:q0 + rows], key[:, :, k0:k0 + keys],
-                                        value[:, :, k0:k0 + keys], mask, *args, **kwargs)
+    # query: [1, heads, T, dim]; each held key, value: [1, kv_heads, keys, dim]
+    outputs, q0 = [], 0
+    masks = tandem_batch.masks(query.device)
+    for rows, (keys, values), mask in zip(tandem_batch.layout.rows, tandem_batch.held, masks, strict=True):
+        out, _ = sdpa_attention_forward(module, query[:, :, q0:q0 + rows.queries], keys, values, mask,
+                                        *args, **kwargs)
         outputs.append(out)  # [1, rows, heads, dim]
-        q0, k0 = q0 + rows, k0 + keys
+        q0 += rows.queries
     return torch.cat(outputs, dim=1), None
 
 
@@ -166,51 +167,44 @@ def batched(model: CausalLM, passes: list[Pass], window: int | None,
     """Several sessions' passes as one forward (see the module docstring).
 
     With `buckets`, the row is padded up to the smallest bucket that holds it, so that a
-    GPU sees a few shapes only (CUDA graphs are captured per shape): each padding token
-    sees only itself, writes to a scratch cache, and no logits are kept for it.
+    GPU sees a few shapes only (CUDA graphs are captured per shape): the padding tokens are
+    a scratch session of their own, with a scratch cache, and no logits are kept for them.
     """
-    embeddings = model.get_input_embeddings().weight
-    device, dtype = embeddings.device, embeddings.dtype
+    device = model.get_input_embeddings().weight.device
     ids: list[int] = []
     positions: list[int] = []
-    rows: list[int] = []  # indices into the flat row whose logits are kept, pass by pass
-    blocks: list[torch.Tensor] = []  # each pass's [n + t, cached + n + t] allowed keys
-    parts: list[tuple[DynamicCache, int]] = []
-    cached = []
-    sessions: list[tuple[int, int]] = []  # each pass's query rows and keys (attention by session)
+    kept: list[int] = []  # indices into the flat row whose logits are kept, pass by pass
+    layout: list[Rows] = []
+    caches: list[DynamicCache] = []
     for p in passes:
         p.session.extend(p.cache_position, p.token_ids)
-        c, n, t = p.session.length, len(p.token_ids), len(p.segment.token_ids)
-        allowed, query_positions = segment_layout(c, n, p.segment, window)
-        rows.extend(len(ids) + r for r in range(n - p.logits_to_keep, n + t))
+        rows = Rows(p.session.length, len(p.token_ids), p.segment.offsets,
+                    p.segment.visible if p.segment.token_ids else None)
+        kept.extend(len(ids) + r for r in range(rows.new - p.logits_to_keep, rows.queries))
         ids.extend((*p.token_ids, *p.segment.token_ids))
-        positions.extend(query_positions)
-        blocks.append(allowed)
-        parts.append((p.session.cache, n + t))
-        sessions.append((n + t, c + n + t))
-        cached.append(c)
+        positions.extend(rows.positions())
+        layout.append(rows)
+        caches.append(p.session.cache)
     pad = next((b for b in sorted(buckets) if b >= len(ids)), len(ids)) - len(ids)
     if pad:
+        scratch = Rows(0, pad)
         ids.extend([0] * pad)
-        positions.extend([0] * pad)
-        blocks.append(torch.eye(pad, dtype=torch.bool))
-        parts.append((DynamicCache(), pad))
-        sessions.append((pad, pad))
-    allowed = torch.block_diag(*blocks)  # type: ignore[no-untyped-call]  # [T, S]
-    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+        positions.extend(scratch.positions())
+        layout.append(scratch)
+        caches.append(DynamicCache())
+    batch = BatchCache(caches, Layout(tuple(layout), window))
     with_hidden = any(p.with_hidden for p in passes)
     with host.forward(device):
         out = model(input_ids=torch.tensor([ids], device=device), position_ids=torch.tensor([positions], device=device),
-                    attention_mask=mask[None, None].to(device), cache=BatchCache(parts), use_cache=True,
-                    output_hidden_states=with_hidden, logits_to_keep=torch.tensor(rows, device=device),
-                    tandem_sessions=tuple(sessions))
-    logits = out.logits[0]  # [len(rows), vocab], on the device
-    hidden = out.hidden_states[-1][0, rows] if with_hidden else None
+                    output_hidden_states=with_hidden, logits_to_keep=torch.tensor(kept, device=device),
+                    **batch.call_kwargs(device))
+    logits = out.logits[0]  # [len(kept), vocab], on the device
+    hidden = out.hidden_states[-1][0, kept] if with_hidden else None
     outputs, start = [], 0
-    for p, c in zip(passes, cached, strict=True):
+    for p, rows in zip(passes, layout[:len(passes)], strict=True):
         end = start + p.logits_to_keep + len(p.segment.token_ids)
         if p.segment.token_ids:  # the segment sat at tree positions: forget it
-            p.session.rollback(c + len(p.token_ids))
+            p.session.rollback(rows.cached + rows.new)
         outputs.append(finish(p, logits[start:end], hidden[start:end] if p.with_hidden and hidden is not None
                               else None))
         start = end

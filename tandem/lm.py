@@ -4,6 +4,7 @@ batched pass hands it. A leaf: it imports nothing of Tandem's, so the modules ab
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -13,27 +14,114 @@ from transformers import DynamicCache
 CausalLM = Any
 
 
-class BatchCache:
-    """The cache a batched pass sees: the sessions' caches side by side.
+@dataclass(frozen=True, eq=False)
+class Rows:
+    """One session's part of a batched pass, as numbers: what any rank needs to attend for it.
 
-    `parts` pairs each session's cache with how many of the pass's tokens are its own, in
-    the order they sit in the flattened row.
+    The pass appends `new` history tokens after the `cached` ones its cache holds, then scores
+    a segment (a proposer's tree, forgotten after the pass): segment token i sits `offsets[i]`
+    positions past the last new token, plus one, and sees the history and the segment tokens
+    its row of `visible` names.
     """
 
-    def __init__(self, parts: list[tuple[DynamicCache, int]]) -> None:
-        self.parts = parts
+    cached: int
+    new: int
+    offsets: tuple[int, ...] = ()
+    visible: torch.Tensor | None = None  # [t, t] bool, on the host; None without a segment
+
+    @property
+    def queries(self) -> int:
+        return self.new + len(self.offsets)
+
+    @property
+    def keys(self) -> int:
+        """The keys its rows attend over: the cache, then the pass's own tokens."""
+        return self.cached + self.queries
+
+    def positions(self) -> list[int]:
+        end = self.cached + self.new
+        return [*range(self.cached, end), *(end + o for o in self.offsets)]
+
+    def mask(self, window: int | None, device: torch.device) -> torch.Tensor | None:
+        """Which keys each row sees, [1, 1, queries, keys] bool, built on `device` from the
+        numbers above; None where sdpa needs no mask (one row that sees every key, or a causal
+        prefill), which is when transformers' own mask would be None too, so a pass of one
+        session makes the same attention calls as the model's own forward.
+
+        A history row sees the cache and the history up to itself; a segment row sees all the
+        history and its `visible` row; with `window`, only keys less than `window` positions back.
+        """
+        c, n, t = self.cached, self.new, len(self.offsets)
+        if not t and (self.queries == 1 or c == 0) and (window is None or self.keys < window):
+            return None
+        keys = torch.arange(self.keys, device=device)
+        last_seen = torch.cat([torch.arange(c, c + n, device=device),
+                               torch.full((t,), c + n - 1, device=device)])
+        allowed = keys[None, :] <= last_seen[:, None]  # [queries, keys]: no segment key yet
+        if t:
+            assert self.visible is not None
+            allowed[n:, c + n:] = self.visible.to(device)
+        if window is not None:
+            end = c + n
+            key_positions = torch.cat([keys[:end], end + torch.tensor(self.offsets, device=device)])
+            query_positions = key_positions[c:]
+            allowed &= (query_positions[:, None] - key_positions[None, :]) < window
+        return allowed[None, None]
+
+
+@dataclass(frozen=True, eq=False)
+class Layout:
+    """A batched pass's shape: each session's `Rows`, in the order they sit in the row, and the
+    model's sliding window. Small and made of numbers: a tensor-parallel rank 0 sends it to
+    the other ranks, which rebuild the same masks on their own devices."""
+
+    rows: tuple[Rows, ...]
+    window: int | None = None
+
+
+@dataclass(eq=False)
+class BatchCache:
+    """The cache a batched pass sees: each session's own cache, side by side.
+
+    Per layer, `update` appends each session's new keys and values to that session's cache and
+    keeps what the cache then holds in `held`; the attention (tandem.batching) runs session by
+    session over `held`, with each session's `masks`. Nothing is concatenated or copied
+    across sessions, and no mask spans two sessions.
+    """
+
+    caches: list[DynamicCache]  # in `layout.rows` order
+    layout: Layout
+    held: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # this layer's
+    _masks: list[torch.Tensor | None] | None = None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        # key_states, value_states: [1, kv_heads, T, head_dim] -> [1, kv_heads, S, head_dim]
-        keys, values, start = [], [], 0
-        for cache, n in self.parts:
-            k, v = cache.update(key_states[:, :, start:start + n], value_states[:, :, start:start + n],
-                                layer_idx)
-            keys.append(k)
-            values.append(v)
-            start += n
-        return torch.cat(keys, dim=2), torch.cat(values, dim=2)
+        # key_states, value_states: [1, kv_heads, T, head_dim], the sessions' rows in order
+        held, start = [], 0
+        for cache, rows in zip(self.caches, self.layout.rows, strict=True):
+            end = start + rows.queries
+            held.append(cache.update(key_states[:, :, start:end], value_states[:, :, start:end], layer_idx))
+            start = end
+        self.held = held
+        return key_states, value_states  # unused: the attention reads `held`
+
+    def masks(self, device: torch.device) -> list[torch.Tensor | None]:
+        """Each session's mask (`Rows.mask`), built once a pass on the first layer."""
+        if self._masks is None:
+            self._masks = [rows.mask(self.layout.window, device) for rows in self.layout.rows]
+        return self._masks
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0  # a batched pass always names its positions
+
+    def call_kwargs(self, device: torch.device | str) -> dict[str, Any]:
+        """What a batched forward call passes besides ids, positions and outputs: this cache,
+        to the model and (as `tandem_batch`) to the attention; and an empty 4D mask, which
+        transformers takes as already built, so that it builds no mask of its own."""
+        return {"cache": self, "tandem_batch": self, "use_cache": True,
+                "attention_mask": torch.ones(1, 1, 0, 0, dtype=torch.bool, device=device)}
+
+
+#: The arguments `BatchCache.call_kwargs` adds to a call (a tensor-parallel rank 0 sends the
+#: layout in their place).
+BATCH_KWARGS = ("cache", "tandem_batch", "use_cache", "attention_mask")

@@ -8,8 +8,9 @@ every rank makes the same forward call at the same time, in the same order.
 
 Rank 0 is the service: gRPC, health, metrics, sessions, sampling and scoring. Its model is
 wrapped in a `Lockstep`, which sends each forward call's inputs to the other ranks before
-making it: the tensors, and which session caches the call extends (one, or a batched pass's
-several) with the length each had before it. Every other rank runs `follow`: it receives each call and makes the
+making it: the ids and positions, which session caches the call extends (one, or a batched
+pass's several) with the length each had before it, and a batched pass's layout (each
+session's lengths and tree, `lm.Layout`), from which every rank builds its own masks. Every other rank runs `follow`: it receives each call and makes the
 same one on its shard, against its own mirror of that cache, cut back to the same length
 first. That is the whole protocol: rollbacks need no message of their own, since the next
 call names the length, and a mirror dies with rank 0's cache (a weakref finalizer queues
@@ -42,7 +43,7 @@ import torch.distributed as dist
 from transformers import DynamicCache
 
 from tandem.errors import Unavailable
-from tandem.lm import BatchCache
+from tandem.lm import BATCH_KWARGS, BatchCache, Layout
 from tandem.topology import ParallelError, Topology
 
 log = logging.getLogger(__name__)
@@ -54,16 +55,15 @@ class CacheUse:
 
     key: int  # rank 0's cache
     length: int  # what it held before the call
-    new_tokens: int  # of the call's tokens, how many are this cache's (a batched call)
 
 
 @dataclass(frozen=True)
 class Call:
     """One forward call of rank 0, as the other ranks repeat it."""
 
-    kwargs: dict[str, Any]  # every argument but the cache; tensors on the CPU
+    kwargs: dict[str, Any]  # every argument but the cache (and a batched call's own); tensors on the CPU
     caches: tuple[CacheUse, ...]  # none, one session's, or a batched pass's in order
-    batched: bool  # the caches were side by side in a BatchCache
+    layout: Layout | None = None  # a batched pass's: each rank builds its masks from it
 
 
 @dataclass(frozen=True)
@@ -187,17 +187,22 @@ class Lockstep:
         return Message(tuple(frees), call, stop)
 
     def __call__(self, **kwargs: Any) -> Any:
-        cache = kwargs.pop("cache", None)
-        parts = cache.parts if isinstance(cache, BatchCache) else [] if cache is None else [(cache, 0)]
-        call = Call({k: on_cpu(v) for k, v in kwargs.items()},
-                    tuple(CacheUse(self._key(c), int(c.get_seq_length()), n) for c, n in parts),
-                    isinstance(cache, BatchCache))
+        cache = kwargs.get("cache")
+        if isinstance(cache, BatchCache):  # the layout goes, not the cache or the placeholder mask
+            sent = {k: v for k, v in kwargs.items() if k not in BATCH_KWARGS}
+            uses = tuple(CacheUse(self._key(c), rows.cached)
+                         for c, rows in zip(cache.caches, cache.layout.rows, strict=True))
+            call = Call({k: on_cpu(v) for k, v in sent.items()}, uses, cache.layout)
+        else:
+            sent = {k: v for k, v in kwargs.items() if k != "cache"}
+            uses = () if cache is None else (CacheUse(self._key(cache), int(cache.get_seq_length())),)
+            call = Call({k: on_cpu(v) for k, v in sent.items()}, uses)
         with self._lock:
             self._check()
             try:
                 self.group.send(self._message(call))
                 self._last_sent = time.monotonic()
-                return self.model(**kwargs, cache=cache) if cache is not None else self.model(**kwargs)
+                return self.model(**kwargs)
             except Exception as exc:
                 self._fail(exc)
                 raise self._refusal() from exc
@@ -276,11 +281,11 @@ def follow(model: Any, group: Group, device: torch.device | str, pulse: Pulse) -
             elif held < use.length:
                 raise ParallelError(f"rank {group.top.rank}: cache {use.key} holds {held} tokens, "
                                     f"rank 0's held {use.length}")
-            mirrors.append((cache, use.new_tokens))
-        if call.batched:
-            kwargs["cache"] = BatchCache(mirrors)
+            mirrors.append(cache)
+        if call.layout is not None:
+            kwargs.update(BatchCache(mirrors, call.layout).call_kwargs(device))
         elif mirrors:
-            kwargs["cache"] = mirrors[0][0]
+            kwargs["cache"] = mirrors[0]
         with torch.inference_mode():
             model(**kwargs)
         pulse.beat()

@@ -335,28 +335,32 @@ def test_cohorts_merge_when_a_round_trip_outlasts_the_old_fixed_wait() -> None:
 
 
 def test_a_batched_pass_attends_session_by_session(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each session's rows attend to its own keys only: no call sees another session's keys
-    (the masked scores between sessions are never computed), and the logits stay exact."""
+    """Each session's rows attend over its own cache as the cache holds it: no call sees
+    another session's keys (the scores between sessions are never computed), no session's KV
+    is copied into a shared tensor, a one-token row gets no mask at all, and the logits stay
+    exact."""
     model = llama()
     lengths = (3, 6, 2)
     sessions = [KVSession(f"s{i}", VOCAB) for i in range(len(lengths))]
     batching.batched(model, [Pass(s, 0, tuple(range(2, 2 + n))) for s, n in zip(sessions, lengths, strict=True)],
                      None)
-    seen: list[tuple[int, int]] = []
-    sdpa = torch.nn.functional.scaled_dot_product_attention
+    seen: list[tuple[int, int, int, tuple[int, ...] | None]] = []
+    sdpa = batching.sdpa_attention_forward
 
-    def spy(query: torch.Tensor, key: torch.Tensor, *args, **kwargs):  # type: ignore[no-untyped-def]
-        seen.append((query.shape[-2], key.shape[-2]))
-        return sdpa(query, key, *args, **kwargs)
+    def spy(module, query, key, value, mask, *args, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append((query.shape[-2], key.shape[-2], key.data_ptr(), None if mask is None else tuple(mask.shape)))
+        return sdpa(module, query, key, value, mask, *args, **kwargs)
 
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(batching, "sdpa_attention_forward", spy)
     passes = [Pass(s, n, (7,) * (i + 1), logits_to_keep=i + 1) for i, (s, n) in enumerate(zip(sessions, lengths,
                                                                                                strict=True))]
     outputs = batching.batched(model, passes, None)
     layers = model.config.num_hidden_layers
-    # One-token rows go through sdpa's grouped-query path: their heads sit in the row axis.
-    heads = model.config.num_attention_heads // model.config.num_key_value_heads
-    assert sorted(seen) == sorted([(heads, 4)] * layers + [(2, 8)] * layers + [(3, 5)] * layers)
+    # (query rows, keys, mask shape): 1 new token after 3, 2 after 6, 3 after 2.
+    assert sorted((q, k, m) for q, k, _, m in seen) == sorted(
+        [(1, 4, None)] * layers + [(2, 8, (1, 1, 2, 8))] * layers + [(3, 5, (1, 1, 3, 5))] * layers)
+    held = {layer.keys.data_ptr() for s in sessions for layer in s.cache.layers}
+    assert {ptr for _, _, ptr, _ in seen} <= held  # each session's own cache tensor, uncopied
     for s, n, p, out in zip(sessions, lengths, passes, outputs, strict=True):
         expected = full_pass(model, list(range(2, 2 + n)) + list(p.token_ids))[-p.logits_to_keep:]
         assert torch.allclose(out.logits, expected, atol=TOLERANCE)
