@@ -21,20 +21,10 @@ from tandem import sampling
 from tandem.batching import Forward, Pass
 from tandem.kv import KVSession, fork_cache
 
-_MASK64 = (1 << 64) - 1
-
-
-def position_seed(seed: int, position: int) -> int:
-    """A seed for the draw at `position` of a request seeded `seed` (splitmix64 of both)."""
-    z = (seed + (position + 1) * 0x9E3779B97F4A7C15) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (z ^ (z >> 31)) & ((1 << 63) - 1)
-
 
 def draw(dist: sampling.SparseDistribution, seed: int, position: int) -> int:
     """The draft's token at `position`: a draw from q with the position's own randomness."""
-    generator = torch.Generator().manual_seed(position_seed(seed, position))
+    generator = torch.Generator().manual_seed(sampling.position_seed(seed, position))
     probs = torch.tensor(dist.probs, dtype=torch.float32)
     return dist.token_ids[int(sampling.sample(probs[None], generator)[0])]
 

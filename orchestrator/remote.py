@@ -9,15 +9,16 @@ history tokens after it. Rebuilding a lost cache is therefore just `synced = 0`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import AsyncGenerator, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 
 from orchestrator import wire
-from orchestrator.domain import DraftBlock, ModelInfo, TargetResult, TreeCommit
+from orchestrator.domain import DraftBlock, ModelInfo, TargetResult, TargetScores, TreeCommit
 from tandem import metrics, sampling
 from tandem.errors import DeadlineExceeded, ReplicaRefused, ResourceExhausted, Unavailable
 from tandem.models import TokenizerFile
@@ -250,11 +251,21 @@ class RemoteSession:
         return self._call
 
     async def _step(self, method: str, build: Callable[[int], Any]) -> Any:
-        """Send the step `build(synced)`; if the session is lost, rebuild it from the history.
+        """Send the step `build(synced)` and return its answer; if the session is lost,
+        rebuild it from the history.
 
         The history is the orchestrator's, and a step's seed fixes its draws, so resending a
         step from cache position 0 on any replica gives exactly the answer the lost one would.
         """
+        async with contextlib.aclosing(self._stream(method, build)) as answers:
+            async for response in answers:
+                return response
+        raise AssertionError("a stream yields until it is closed or fails")
+
+    async def _stream(self, method: str, build: Callable[[int], Any]) -> AsyncGenerator[Any, None]:
+        """Send `build(synced)` and yield every response to it until the caller stops reading
+        (a step has one, a decode run one per token). If the session is lost, rebuild it from
+        the history: `build(synced)` again, from what the caller made history meanwhile."""
         loop = asyncio.get_running_loop()
         give_up, backoff, attempts, evictions = loop.time() + self.retry_s, 0.05, 0, 0
         tried: set[str] = set()  # replicas that failed this step for a reason other than eviction
@@ -267,7 +278,12 @@ class RemoteSession:
             try:
                 await call.write(request)
                 written = True
-                response = await call.read()
+                while (response := await call.read()) is not grpc.aio.EOF:
+                    self.wire_bytes += response.ByteSize()
+                    yield response
+                    # An answer came: a later loss is a later step's, with its own attempts.
+                    give_up, backoff, attempts, evictions = loop.time() + self.retry_s, 0.05, 0, 0
+                    tried.clear()
             except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
                 # A stream that ended between two steps (its replica died) refuses the write:
                 # with InvalidStateError once the channel has seen the loss (the status is the
@@ -289,9 +305,6 @@ class RemoteSession:
                                       f"{details}") from exc
                 problem = f"{code.name}: {details}"
             else:
-                if response is not grpc.aio.EOF:
-                    self.wire_bytes += response.ByteSize()
-                    return response
                 code, problem = grpc.StatusCode.UNAVAILABLE, "the stream ended without a status"
             failed = self.replica
             await self.close()
@@ -371,6 +384,29 @@ class TargetSession(RemoteSession):
                               f"{response.WhichOneof('result') or 'no result'}; is it of another "
                               "Tandem version than this orchestrator?")
         return result
+
+    async def decode(self, history: list[int], params: sampling.SamplingParams, seed: int, end: int,
+                     stop_token_ids: frozenset[int]) -> AsyncGenerator[TargetScores, None]:
+        """The target decoding alone: one token after another, each a block of none's bonus
+        token, until `history` (which the caller extends with each token before reading the
+        next) holds `end` tokens or ends with a stop token. One request for the whole run: a
+        lost session is rebuilt from the history and the run resent for what is left, and
+        since each token's draw is keyed by its position, the resent run draws the same."""
+        def build(synced: int) -> target_pb2.ScoreBlocksRequest:
+            return wire.decode_request_to_proto(self.session_id, synced, history[synced:], params, seed,
+                                                end - len(history), stop_token_ids)
+
+        async with contextlib.aclosing(self._stream("ScoreBlocks", build)) as answers:
+            async for response in answers:
+                if self.replica is not None:
+                    self.replica.kv_usage = response.kv_cache_usage
+                result = wire.target_result_from_proto(response)
+                if not isinstance(result, TargetScores):
+                    where = self.replica.address if self.replica else "?"
+                    raise Unavailable(f"target replica {where} answered a decode_run with "
+                                      f"{response.WhichOneof('result') or 'no result'}; is it of another "
+                                      "Tandem version than this orchestrator?")
+                yield result
 
 
 async def fetch_model_info(address: str, stub_class: type, wait_s: float,

@@ -15,7 +15,13 @@ from typing import TypeVar
 
 import torch
 
-from orchestrator.domain import EMPTY_BLOCK, Generation, Step, TreeCommit
+from orchestrator.domain import (
+    EMPTY_BLOCK,
+    Generation,
+    Step,
+    TargetResult,
+    TreeCommit,
+)
 from orchestrator.policy import CostModel, Speculation
 from orchestrator.proposers import Proposer
 from orchestrator.remote import TargetSession
@@ -44,79 +50,91 @@ async def speculate(gen: Generation, proposer: Proposer | None, target: TargetSe
     """Yield what each step committed until max_new_tokens or EOS.
 
     `proposer` drafts blocks here (a draft model, prompt lookup); with None the target
-    decodes alone, or proposes and verifies a tree itself when `target.proposer` is set.
+    decodes alone (one run for the whole generation, each token a step here), or proposes and
+    verifies a tree itself when `target.proposer` is set.
     """
     history = list(gen.prompt_token_ids)
+    run = (target.decode(history, gen.sampling, gen.seed, len(history) + gen.max_new_tokens, gen.eos_token_ids)
+           if proposer is None and not target.proposer else None)
     rng = torch.Generator().manual_seed(gen.seed)
     policy = Speculation(gen.policy, gen.num_speculative_tokens if proposer else 0, costs)
     generated = 0
     mark = time.perf_counter()  # the end of the last step; the consumer's turn follows it
-    while generated < gen.max_new_tokens:
-        remaining = gen.max_new_tokens - generated
-        target_seed = int(torch.randint(0, 2**62, (1,), generator=rng))
-        started = time.perf_counter()
-        prefill, target_synced = target.synced == 0, target.synced
-        lag = proposer.lag(len(history)) if proposer is not None else 0
-        k = policy.choose(remaining, prefill, lag)
-        wait_ms = 0.0
-        # The draft keys its draws by (request seed, position), so a block drafted ahead is
-        # the block drafted now; with overlap it drafts the next k while the target verifies.
-        beside = costs.deployment.draft_shares_target and not costs.deployment.overlap
-        if proposer is None or k == 0 or (prefill and beside):
-            # A draft the policy does not mean to use is not prefilled: it catches up when used.
-            # Nor is one that takes turns on the target's hardware: prefilling both at once there
-            # only slows the target's prefill (the first token), and is wasted if the load rule
-            # keeps it plain. (With --overlap on it is, and drafts the first block meanwhile.)
-            block = EMPTY_BLOCK
-            called = time.perf_counter()
-            result = await target.score(history, block, gen.sampling, target_seed)
-            answered = time.perf_counter()
-        elif prefill:
-            # Prefill both caches at once; the target alone yields the first token (TTFT).
-            called = started
-            block, result = await _both(
-                proposer.get_candidates(history, 0, gen.sampling, gen.seed, ahead=k),
-                target.score(history, EMPTY_BLOCK, gen.sampling, target_seed))
-            answered = time.perf_counter()
-        else:
-            block = await proposer.get_candidates(history, k, gen.sampling, gen.seed, ahead=k)
-            called = time.perf_counter()
-            wait_ms = (called - started) * 1000.0
-            result = await target.score(history, block, gen.sampling, target_seed)
-            answered = time.perf_counter()
+    try:
+        while generated < gen.max_new_tokens:
+            remaining = gen.max_new_tokens - generated
+            target_seed = int(torch.randint(0, 2**62, (1,), generator=rng))
+            started = time.perf_counter()
+            prefill, target_synced = target.synced == 0, target.synced
+            lag = proposer.lag(len(history)) if proposer is not None else 0
+            k = policy.choose(remaining, prefill, lag)
+            wait_ms = 0.0
+            # The draft keys its draws by (request seed, position), so a block drafted ahead is
+            # the block drafted now; with overlap it drafts the next k while the target verifies.
+            beside = costs.deployment.draft_shares_target and not costs.deployment.overlap
+            if run is not None:  # the target decoding alone: its run's next token
+                block = EMPTY_BLOCK
+                called = time.perf_counter()
+                result: TargetResult = await anext(run)
+                answered = time.perf_counter()
+            elif proposer is None or k == 0 or (prefill and beside):
+                # A draft the policy does not mean to use is not prefilled: it catches up when used.
+                # Nor is one that takes turns on the target's hardware: prefilling both at once there
+                # only slows the target's prefill (the first token), and is wasted if the load rule
+                # keeps it plain. (With --overlap on it is, and drafts the first block meanwhile.)
+                block = EMPTY_BLOCK
+                called = time.perf_counter()
+                result = await target.score(history, block, gen.sampling, target_seed)
+                answered = time.perf_counter()
+            elif prefill:
+                # Prefill both caches at once; the target alone yields the first token (TTFT).
+                called = started
+                block, result = await _both(
+                    proposer.get_candidates(history, 0, gen.sampling, gen.seed, ahead=k),
+                    target.score(history, EMPTY_BLOCK, gen.sampling, target_seed))
+                answered = time.perf_counter()
+            else:
+                block = await proposer.get_candidates(history, k, gen.sampling, gen.seed, ahead=k)
+                called = time.perf_counter()
+                wait_ms = (called - started) * 1000.0
+                result = await target.score(history, block, gen.sampling, target_seed)
+                answered = time.perf_counter()
 
-        if isinstance(result, TreeCommit):  # the target proposed and verified a tree itself
-            new, drafted = list(result.committed_token_ids), result.proposed_count
-            accepted, rejected = len(new) - 1, 0
-        else:  # TargetScores of `block`: the acceptance is drawn here
-            uniforms = torch.rand(len(block.token_ids), generator=rng, dtype=torch.float64).tolist()
-            accepted = sampling.num_accepted(result.scored.target_probs, block.draft_probs, uniforms)
-            new, drafted = sampling.commit(block.token_ids, result.scored, accepted), len(block.token_ids)
-            rejected = int(accepted < drafted)
+            if isinstance(result, TreeCommit):  # the target proposed and verified a tree itself
+                new, drafted = list(result.committed_token_ids), result.proposed_count
+                accepted, rejected = len(new) - 1, 0
+            else:  # TargetScores of `block`: the acceptance is drawn here
+                uniforms = torch.rand(len(block.token_ids), generator=rng, dtype=torch.float64).tolist()
+                accepted = sampling.num_accepted(result.scored.target_probs, block.draft_probs, uniforms)
+                new, drafted = sampling.commit(block.token_ids, result.scored, accepted), len(block.token_ids)
+                rejected = int(accepted < drafted)
 
-        if proposer is not None:
-            proposer.update_candidate_strategy(block, accepted, len(history))
-        target.advance(result.cache_length, len(history) + accepted)
-        ended = time.perf_counter()
-        step_ms, cycle_ms, mark = (ended - started) * 1000.0, (ended - mark) * 1000.0, ended
-        # Not a target's own tree pass: it scores a segment of a width not known here, and its
-        # cost would be filed under its 1-2 new tokens, where the draft policy reads.
-        if not prefill and not isinstance(result, TreeCommit):
-            policy.observe(len(block.token_ids), accepted, block.compute_ms, result.compute_ms,
-                           step_ms, len(history) - target_synced + len(block.token_ids), result.load,
-                           fed=lag)
+            if proposer is not None:
+                proposer.update_candidate_strategy(block, accepted, len(history))
+            target.advance(result.cache_length, len(history) + accepted)
+            ended = time.perf_counter()
+            step_ms, cycle_ms, mark = (ended - started) * 1000.0, (ended - mark) * 1000.0, ended
+            # Not a target's own tree pass: it scores a segment of a width not known here, and its
+            # cost would be filed under its 1-2 new tokens, where the draft policy reads.
+            if not prefill and not isinstance(result, TreeCommit):
+                policy.observe(len(block.token_ids), accepted, block.compute_ms, result.compute_ms,
+                               step_ms, len(history) - target_synced + len(block.token_ids), result.load,
+                               fed=lag)
 
-        eos_at = next((i for i, t in enumerate(new) if t in gen.eos_token_ids), None)
-        new = new[: remaining if eos_at is None else min(eos_at + 1, remaining)]
-        history += new
-        generated += len(new)
-        finished_by_eos = eos_at is not None and eos_at < len(new)
-        yield Step(new, finished_by_eos, accepted=min(accepted, len(new)),  # a tree may pass the end
-                   drafted=drafted, rejected=rejected, prefill=prefill,
-                   draft_ms=block.compute_ms, target_ms=result.compute_ms, wall_ms=step_ms,
-                   draft_wait_ms=wait_ms,
-                   draft_hit=None if block.prebuilt < 0 or not block.token_ids else block.ahead_hit,
-                   target_call_ms=(answered - called) * 1000.0, cycle_ms=cycle_ms, draft_split=block.split,
-                   target_split=result.split)
-        if finished_by_eos:
-            return
+            eos_at = next((i for i, t in enumerate(new) if t in gen.eos_token_ids), None)
+            new = new[: remaining if eos_at is None else min(eos_at + 1, remaining)]
+            history += new
+            generated += len(new)
+            finished_by_eos = eos_at is not None and eos_at < len(new)
+            yield Step(new, finished_by_eos, accepted=min(accepted, len(new)),  # a tree may pass the end
+                       drafted=drafted, rejected=rejected, prefill=prefill,
+                       draft_ms=block.compute_ms, target_ms=result.compute_ms, wall_ms=step_ms,
+                       draft_wait_ms=wait_ms,
+                       draft_hit=None if block.prebuilt < 0 or not block.token_ids else block.ahead_hit,
+                       target_call_ms=(answered - called) * 1000.0, cycle_ms=cycle_ms, draft_split=block.split,
+                       target_split=result.split)
+            if finished_by_eos:
+                return
+    finally:
+        if run is not None:
+            await run.aclose()

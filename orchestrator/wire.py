@@ -102,6 +102,17 @@ def score_request_to_proto(session_id: str, cache_position: int, new_token_ids: 
     return request
 
 
+def decode_request_to_proto(session_id: str, cache_position: int, new_token_ids: list[int],
+                            params: sampling.SamplingParams, seed: int, max_tokens: int,
+                            stop_token_ids: frozenset[int]) -> target_pb2.ScoreBlocksRequest:
+    """A run of up to `max_tokens` tokens the target decodes alone, seeded by the request's
+    `seed` (each token by its position), ending early after a stop token."""
+    return target_pb2.ScoreBlocksRequest(
+        session_id=session_id, cache_position=cache_position, new_token_ids=new_token_ids,
+        sampling=sampling_to_proto(params), seed=seed,
+        decode_run=target_pb2.DecodeRun(max_tokens=max_tokens, stop_token_ids=sorted(stop_token_ids)))
+
+
 def target_result_from_proto(proto: target_pb2.ScoreBlocksResponse) -> TargetResult | None:
     """The step's answer as its own domain type; None when the response carries neither kind
     (a target that predates the `result` oneof)."""

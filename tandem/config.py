@@ -19,6 +19,8 @@ T = TypeVar("T")
 MAX_BLOCK_TOKENS = 64
 # The most (token, probability) pairs a draft sends per drafted token.
 MAX_SUPPORT_SIZE = 1024
+# The most stop token ids a target's decode run carries (a model's end-of-sequence ids).
+MAX_STOP_TOKENS = 64
 
 
 def option(default: Any, help: str) -> Any:

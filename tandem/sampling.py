@@ -214,6 +214,19 @@ def dense(dist: SparseDistribution, vocab_size: int, device: torch.device | str 
     return row
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def position_seed(seed: int, position: int) -> int:
+    """A seed for the draw at absolute `position` of a request seeded `seed` (splitmix64 of
+    both): what keys a draw to the history, not to a step, so that it is the same whenever
+    and wherever it is made (a draft's block drafted ahead, a target's run resent)."""
+    z = (seed + (position + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
 def generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
     """A step's source of draws, on the device its probabilities are on."""
     return torch.Generator(device=device).manual_seed(seed)

@@ -1,8 +1,12 @@
-"""Scoring a draft block, or a target proposer's token tree, with one forward pass of the target."""
+"""Scoring a draft block, or a target proposer's token tree, with one forward pass of the target;
+or decoding a run of tokens with the target alone."""
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -86,3 +90,43 @@ async def propose_and_verify(
         proposer.update_candidate_strategy(session, candidates, out.logits, out.hidden, verdict)
     path = tuple(candidates.tree_token_ids[i] for i in verdict.accepted_nodes)
     return VerifiedStep((*path, verdict.next_token_id), len(candidates.tree_nodes), session.length)
+
+
+#: `ModelHost.run_step`: (session, tokens it may hold, step function, its arguments) -> (result, ms).
+RunStep = Callable[..., Awaitable[tuple[Any, float]]]
+
+
+async def decode_run(
+    run_step: RunStep,
+    session: KVSession,
+    step: Step,
+    params: sampling.SamplingParams,
+    seed: int,  # the request's: the token at position p is drawn with position_seed(seed, p)
+    max_tokens: int,
+    stop_token_ids: frozenset[int],
+) -> AsyncIterator[tuple[ScoredStep, float]]:
+    """Decode up to `max_tokens` tokens with the target alone, yielding each as it is drawn
+    (the bonus token of a block of none) with its step time in ms; the run ends after a
+    stop token. Each token is its own step through the scheduler, so other sessions' passes
+    share its passes as they would a plain step's.
+
+    The next token's pass is submitted before this one is yielded: the answer goes out on
+    the wire while the model runs.
+    """
+    def token(position: int, new: list[int]) -> asyncio.Future[tuple[ScoredStep, float]]:
+        at = position + len(new)  # where the drawn token will sit
+        return asyncio.ensure_future(run_step(session, at, score_block, session, Step(position, new), [], [],
+                                              params, sampling.position_seed(seed, at)))
+
+    pending = token(step.cache_position, step.new_token_ids)
+    try:
+        for i in range(max_tokens):
+            scored, ms = await pending
+            drawn = scored.scored.bonus_token_id
+            if i + 1 < max_tokens and drawn not in stop_token_ids:
+                pending = token(scored.cache_length, [drawn])
+            yield scored, ms
+            if drawn in stop_token_ids:
+                return
+    finally:
+        pending.cancel()

@@ -9,7 +9,7 @@ from typing import Any
 import grpc
 
 from tandem import models, sampling
-from tandem.config import MAX_BLOCK_TOKENS
+from tandem.config import MAX_BLOCK_TOKENS, MAX_STOP_TOKENS
 from tandem.errors import InvalidRequest, Unavailable
 from tandem.kv import KVSession
 from tandem.model_service import ModelHost, ModelServicer, sampling_from, step_from
@@ -18,7 +18,7 @@ from tandem.split import split_to_proto
 from tandem.v1 import common_pb2, target_pb2, target_pb2_grpc
 from target_service.candidates import TargetProposer
 from target_service.proposers import build_proposers
-from target_service.scorer import propose_and_verify, score_block
+from target_service.scorer import decode_run, propose_and_verify, score_block
 
 
 def draft_from(proposal: target_pb2.DraftProposal, session: KVSession
@@ -125,6 +125,28 @@ class TargetService(ModelServicer, target_pb2_grpc.TargetServiceServicer):
                         target_probs=scored.scored.target_probs,
                         recovered_token_ids=scored.scored.recovered_token_ids,
                         bonus_token_id=scored.scored.bonus_token_id))
+            elif kind == "decode_run":
+                stops = self._run_checks(request.decode_run, session, history)
+                async for scored, ms in decode_run(self.host.run_step, session, step, params, request.seed,
+                                                   request.decode_run.max_tokens, stops):
+                    yield target_pb2.ScoreBlocksResponse(
+                        cache_length=scored.cache_length, compute_ms=ms, **self._load(session),
+                        block_scores=target_pb2.BlockScores(bonus_token_id=scored.scored.bonus_token_id))
             else:
                 raise InvalidRequest("the step sets no proposal: send draft_proposal (with no "
-                                     "tokens for a plain target step) or target_proposal")
+                                     "tokens for a plain target step), target_proposal or decode_run")
+
+    def _run_checks(self, run: target_pb2.DecodeRun, session: KVSession, history: int) -> frozenset[int]:
+        """A decode run's stop tokens, once its fields are known to be valid."""
+        if run.max_tokens < 1:
+            raise InvalidRequest("decode_run.max_tokens must be at least 1")
+        assert self.host.info is not None
+        context = self.host.info.max_context_tokens
+        if context and history + run.max_tokens > context:
+            raise InvalidRequest(f"decode_run.max_tokens {run.max_tokens} after a history of {history} tokens "
+                                 f"passes the model's context of {context} tokens")
+        stops = list(run.stop_token_ids)
+        if len(stops) > MAX_STOP_TOKENS:
+            raise InvalidRequest(f"decode_run.stop_token_ids holds {len(stops)} ids; at most {MAX_STOP_TOKENS}")
+        session.check_tokens("decode_run.stop_token_ids", stops)
+        return frozenset(stops)

@@ -70,15 +70,15 @@ def cell(tokens: list[int]) -> int:
 
 
 def sample_cells(stack: Stack, params: SamplingParams, proposer: str, samples: int = SAMPLES,
-                 usages: list[Any] | None = None) -> tuple[torch.Tensor, int, int]:
+                 usages: list[Any] | None = None, k: int = K) -> tuple[torch.Tensor, int, int]:
     """Cell counts of the first three tokens of `samples` seeded requests through the stack
-    (8 at a time), and the drafted tokens accepted and drafted over all of them; `usages`
-    gathers each request's usage."""
+    (8 at a time), each drafting up to `k` a step (0: the target alone), and the drafted
+    tokens accepted and drafted over all of them; `usages` gathers each request's usage."""
     with stack.client() as client:
         def draw(seed: int) -> tuple[int, int, int]:
             reply = client.generate(PROMPT, max_new_tokens=MAX_NEW_TOKENS, temperature=params.temperature,
                                     top_k=params.top_k, top_p=params.top_p, seed=seed,
-                                    num_speculative_tokens=K, proposer=proposer, ignore_eos=True)
+                                    num_speculative_tokens=k, proposer=proposer, ignore_eos=True)
             usage = reply.usage
             if usages is not None:
                 usages.append(usage)

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ScoreBlocksRequest(_message.Message):
-    __slots__ = ("session_id", "cache_position", "new_token_ids", "sampling", "seed", "draft_proposal", "target_proposal")
+    __slots__ = ("session_id", "cache_position", "new_token_ids", "sampling", "seed", "draft_proposal", "target_proposal", "decode_run")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     CACHE_POSITION_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class ScoreBlocksRequest(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROPOSAL_FIELD_NUMBER: _ClassVar[int]
     TARGET_PROPOSAL_FIELD_NUMBER: _ClassVar[int]
+    DECODE_RUN_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     cache_position: int
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -23,7 +24,16 @@ class ScoreBlocksRequest(_message.Message):
     seed: int
     draft_proposal: DraftProposal
     target_proposal: TargetProposal
-    def __init__(self, session_id: _Optional[str] = ..., cache_position: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., draft_proposal: _Optional[_Union[DraftProposal, _Mapping]] = ..., target_proposal: _Optional[_Union[TargetProposal, _Mapping]] = ...) -> None: ...
+    decode_run: DecodeRun
+    def __init__(self, session_id: _Optional[str] = ..., cache_position: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., draft_proposal: _Optional[_Union[DraftProposal, _Mapping]] = ..., target_proposal: _Optional[_Union[TargetProposal, _Mapping]] = ..., decode_run: _Optional[_Union[DecodeRun, _Mapping]] = ...) -> None: ...
+
+class DecodeRun(_message.Message):
+    __slots__ = ("max_tokens", "stop_token_ids")
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    max_tokens: int
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DraftProposal(_message.Message):
     __slots__ = ("token_ids", "distributions")

@@ -61,7 +61,8 @@ class TargetServiceServicer:
         """One stream is one session. The client sends a proposal per speculation step (a drafted
         block, or a proposer the target runs); the service runs one forward pass over it and
         answers with what rejection sampling needs (block_scores) or with the tree it verified
-        (verified_tree). The session's KV cache is freed when the stream ends.
+        (verified_tree). A decode_run asks instead for a run of tokens decoded by the target alone,
+        answered with one response per token. The session's KV cache is freed when the stream ends.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

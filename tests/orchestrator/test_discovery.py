@@ -309,17 +309,20 @@ class FakeTarget(target_pb2_grpc.TargetServiceServicer):
         async for request in requests:
             if steps == 0:
                 self.sessions.append(request.session_id)
-            steps += 1
-            if steps > 1 and not self.hold.is_set():
-                self.parked += 1
-                await self.hold.wait()
-                self.parked -= 1
             drafted = list(request.draft_proposal.token_ids)
-            yield target_pb2.ScoreBlocksResponse(
-                block_scores=target_pb2.BlockScores(
-                    target_probs=[1.0] * len(drafted), recovered_token_ids=drafted,
-                    bonus_token_id=BONUS_TOKEN),
-                cache_length=request.cache_position + len(request.new_token_ids) + len(drafted))
+            held = request.cache_position + len(request.new_token_ids) + len(drafted)
+            # A decode run is answered token by token, each a step of its own.
+            for i in range(request.decode_run.max_tokens if request.HasField("decode_run") else 1):
+                steps += 1
+                if steps > 1 and not self.hold.is_set():
+                    self.parked += 1
+                    await self.hold.wait()
+                    self.parked -= 1
+                yield target_pb2.ScoreBlocksResponse(
+                    block_scores=target_pb2.BlockScores(
+                        target_probs=[1.0] * len(drafted), recovered_token_ids=drafted,
+                        bonus_token_id=BONUS_TOKEN),
+                    cache_length=held + i)
 
     async def GetModelInfo(self, request: common_pb2.GetModelInfoRequest,
                            context: grpc.aio.ServicerContext) -> common_pb2.GetModelInfoResponse:

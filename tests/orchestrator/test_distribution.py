@@ -117,6 +117,16 @@ def test_speculative_sampling_matches_target_law(small_vocab: tuple[Path, Stack]
     assert p_value(counts, law) > ALPHA
 
 
+@pytest.mark.parametrize("params", [T1, TRUNCATED], ids=PARAMS_ID.get)
+def test_the_target_decoding_alone_samples_its_law(small_vocab: tuple[Path, Stack],
+                                                   params: sampling.SamplingParams) -> None:
+    """k=0: one decode run a request, each token drawn on the target with its position's seed."""
+    target, stack = small_vocab
+    counts, _, drafted = sample_cells(stack, params, "", k=0)
+    assert drafted == 0
+    assert p_value(counts, exact_law(rows(target, params))) > ALPHA
+
+
 # --- Power: the same test rejects the pipeline with a broken rule ---------------------------------
 #
 # The services run in their own processes, so a broken rule cannot be patched into them.

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from scrape import sample
 from tiny import PROMPTS, greedy_reference, make_model, make_tokenizer, speculated
 
 from tandem.launch import Stack, start_stack
@@ -96,11 +97,16 @@ def test_lookahead_accepts_n_grams_once_the_output_loops(tiny_stack: Stack, refe
 
 
 def test_plain_target_decoding_through_the_services(tiny_stack: Stack, reference) -> None:  # type: ignore[no-untyped-def]
+    """The target decoding alone is one request to it, a run answered token by token: no
+    round trip per token."""
+    target = tiny_stack.targets[0]
+    requests_before = sample(target, "tandem_replica_step_duration_seconds_count")
     with tiny_stack.client() as client:
         reply = client.generate(PROMPTS[0], max_new_tokens=LENGTH, num_speculative_tokens=0, ignore_eos=True)
     assert list(reply.token_ids) == reference(PROMPTS[0], LENGTH)
     assert reply.usage.drafted_tokens == 0
     assert reply.usage.target_forward_passes == LENGTH
+    assert sample(target, "tandem_replica_step_duration_seconds_count") - requests_before == 1
 
 
 def test_streaming_matches_unary_and_ends_with_usage(tiny_stack: Stack, reference) -> None:  # type: ignore[no-untyped-def]
@@ -271,11 +277,12 @@ def test_all_drafted_tokens_accepted_takes_bonus(identical_stack: Stack, eos_mod
 
 
 @pytest.mark.slow  # a stack of its own (CI runs it)
-def test_eos_inside_an_accepted_block(identical_stack: Stack, eos_model) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("k", [0, 4])  # 0: the target's run ends at EOS
+def test_eos_inside_an_accepted_block(identical_stack: Stack, eos_model, k: int) -> None:  # type: ignore[no-untyped-def]
     path, ids, index = eos_model
     expected = greedy_reference(path, make_tokenizer().encode(PROMPTS[0]), LENGTH, eos_token_id=ids[index])
     with identical_stack.client() as client:
-        reply = client.generate(PROMPTS[0], max_new_tokens=LENGTH, num_speculative_tokens=4)
+        reply = client.generate(PROMPTS[0], max_new_tokens=LENGTH, num_speculative_tokens=k)
     assert list(reply.token_ids) == ids[: index + 1] == expected
     assert reply.finish_reason == orchestrator_pb2.FINISH_REASON_EOS
     assert reply.usage.completion_tokens == index + 1
@@ -283,10 +290,12 @@ def test_eos_inside_an_accepted_block(identical_stack: Stack, eos_model) -> None
 
 @pytest.mark.slow  # a stack of its own (CI runs it)
 @pytest.mark.parametrize("max_new_tokens", [1, 2, 7, 9])
-def test_max_new_tokens_reached_mid_block(identical_stack: Stack, eos_model, max_new_tokens: int) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("k", [0, 4])
+def test_max_new_tokens_reached_mid_block(identical_stack: Stack, eos_model, max_new_tokens: int,  # type: ignore[no-untyped-def]
+                                          k: int) -> None:
     _, ids, _ = eos_model
     with identical_stack.client() as client:
-        reply = client.generate(PROMPTS[0], max_new_tokens=max_new_tokens, num_speculative_tokens=4,
+        reply = client.generate(PROMPTS[0], max_new_tokens=max_new_tokens, num_speculative_tokens=k,
                                 ignore_eos=True)
     assert list(reply.token_ids) == ids[:max_new_tokens]
     assert reply.finish_reason == orchestrator_pb2.FINISH_REASON_LENGTH

@@ -71,6 +71,7 @@ class TreeTarget:
     a 19-token segment the orchestrator never sees, and commits two tokens."""
 
     synced = 0
+    proposer = "lookahead"
 
     async def score(self, history: list[int], *args: Any) -> Any:
         from orchestrator.domain import TreeCommit

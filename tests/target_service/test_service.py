@@ -71,6 +71,15 @@ def test_each_proposal_gets_its_own_kind_of_result(tiny_stack: Stack) -> None:
      "temperature"),
     (drafted([3], dist([3, 3], [0.5, 0.5])), grpc.StatusCode.INVALID_ARGUMENT, "token_ids must be distinct"),
     (drafted([3], dist([3, 4], [0.0, 1.0])), grpc.StatusCode.INVALID_ARGUMENT, "has probability 0"),
+    # A decode run that cannot be run as asked.
+    ({"decode_run": target_pb2.DecodeRun(max_tokens=0)}, grpc.StatusCode.INVALID_ARGUMENT,
+     "decode_run.max_tokens must be at least 1"),
+    ({"decode_run": target_pb2.DecodeRun(max_tokens=1_000_000)}, grpc.StatusCode.INVALID_ARGUMENT,
+     "passes the model's context"),
+    ({"decode_run": target_pb2.DecodeRun(max_tokens=2, stop_token_ids=[10_000])},
+     grpc.StatusCode.INVALID_ARGUMENT, "decode_run.stop_token_ids"),
+    ({"decode_run": target_pb2.DecodeRun(max_tokens=2, stop_token_ids=[3] * 65)},
+     grpc.StatusCode.INVALID_ARGUMENT, "at most 64"),
     # Neither protocol: refused, never read as a plain step.
     ({"draft_proposal": None}, grpc.StatusCode.INVALID_ARGUMENT, "sets no proposal"),
     ({"target_proposal": target_pb2.TargetProposal()}, grpc.StatusCode.INVALID_ARGUMENT,
@@ -79,7 +88,7 @@ def test_each_proposal_gets_its_own_kind_of_result(tiny_stack: Stack) -> None:
      grpc.StatusCode.INVALID_ARGUMENT, "is not run by this replica (it runs: PROPOSER_LOOKAHEAD)"),
 ])
 def test_target_rejects_bad_steps(tiny_stack: Stack, fields: dict, code: grpc.StatusCode, needle: str) -> None:  # type: ignore[type-arg]
-    proposal = {} if {"draft_proposal", "target_proposal"} & fields.keys() else {"draft_proposal": PLAIN}
+    proposal = {} if {"draft_proposal", "target_proposal", "decode_run"} & fields.keys() else {"draft_proposal": PLAIN}
     request = target_pb2.ScoreBlocksRequest(**{"session_id": "bad", "new_token_ids": [5], **proposal, **fields})
     with grpc.insecure_channel(tiny_stack.targets[0].address) as channel:
         stub = target_pb2_grpc.TargetServiceStub(channel)
@@ -120,3 +129,60 @@ def test_rollback_then_continue_in_one_stream(tiny_stack: Stack) -> None:
             new_token_ids=[5, 6, 7, 8], draft_proposal=PLAIN))[0]
     assert rolled.cache_length == 4
     assert rolled.block_scores.bonus_token_id == fresh.block_scores.bonus_token_id
+
+
+def run(new_token_ids: list[int], max_tokens: int, *, cache_position: int = 0, seed: int = 0,
+        temperature: float = 0.0, stops: tuple[int, ...] = ()) -> target_pb2.ScoreBlocksRequest:
+    return target_pb2.ScoreBlocksRequest(
+        session_id="run", cache_position=cache_position, new_token_ids=new_token_ids, seed=seed,
+        sampling=common_pb2.SamplingParams(temperature=temperature),
+        decode_run=target_pb2.DecodeRun(max_tokens=max_tokens, stop_token_ids=stops))
+
+
+def test_a_decode_run_answers_each_token_as_a_plain_step_would(tiny_stack: Stack) -> None:
+    """Greedy: a run of 6 tokens is six plain steps' bonus tokens, one response each, each
+    with the cache as that step would leave it."""
+    with grpc.insecure_channel(tiny_stack.targets[0].address) as channel:
+        stub = target_pb2_grpc.TargetServiceStub(channel)
+        history = [5, 6, 7]
+        for _ in range(6):
+            [step] = one_step(stub.ScoreBlocks, target_pb2.ScoreBlocksRequest(
+                new_token_ids=history, draft_proposal=PLAIN))
+            history.append(step.block_scores.bonus_token_id)
+        answers = one_step(stub.ScoreBlocks, run([5, 6, 7], 6))
+    assert [a.block_scores.bonus_token_id for a in answers] == history[3:]
+    assert [a.cache_length for a in answers] == [3, 4, 5, 6, 7, 8]
+
+
+def test_a_resent_run_draws_the_same_tokens(tiny_stack: Stack) -> None:
+    """Each token is drawn with randomness keyed by (seed, position): a run resent from part
+    way, in the same stream or on a fresh one (a rebuilt session), draws what the first did."""
+    prompt = [5, 6, 7]
+    with grpc.insecure_channel(tiny_stack.targets[0].address) as channel:
+        stub = target_pb2_grpc.TargetServiceStub(channel)
+
+        def tokens(answers: list[target_pb2.ScoreBlocksResponse]) -> list[int]:
+            return [a.block_scores.bonus_token_id for a in answers]
+
+        first = tokens(one_step(stub.ScoreBlocks, run(prompt, 8, seed=11, temperature=1.0)))
+        fresh = tokens(one_step(stub.ScoreBlocks, run(prompt + first[:3], 5, seed=11, temperature=1.0)))
+        again = list(stub.ScoreBlocks(iter([
+            run(prompt, 4, seed=11, temperature=1.0),
+            run(first[1:2], 5, cache_position=len(prompt) + 1, seed=11, temperature=1.0)]), timeout=30))
+        other = tokens(one_step(stub.ScoreBlocks, run(prompt, 8, seed=12, temperature=1.0)))
+    assert fresh == first[3:]
+    assert tokens(again) == first[:4] + first[2:7]
+    assert other != first  # the seed matters
+
+
+def test_a_run_ends_after_its_first_stop_token(tiny_stack: Stack) -> None:
+    with grpc.insecure_channel(tiny_stack.targets[0].address) as channel:
+        stub = target_pb2_grpc.TargetServiceStub(channel)
+        free = [a.block_scores.bonus_token_id for a in one_step(stub.ScoreBlocks, run([5, 6, 7], 8))]
+        stop = free[3]
+        stopped = [a.block_scores.bonus_token_id
+                   for a in one_step(stub.ScoreBlocks, run([5, 6, 7], 8, stops=(stop,)))]
+        # The stream goes on after a run: the next step continues the session.
+        after = list(stub.ScoreBlocks(iter([run([5, 6, 7], 2), run([free[1]], 1, cache_position=4)]), timeout=30))
+    assert stopped == free[:free.index(stop) + 1]
+    assert [a.block_scores.bonus_token_id for a in after] == free[:3]
