@@ -18,7 +18,8 @@ interface. What crosses to the device per pass is the ids, the positions, the ro
 logits are kept, and a segment's small `visible` matrix. (NOTE: on a GPU this is one sdpa
 call per session per layer; a varlen or paged kernel would make it one per layer.)
 
-A batch of one runs exactly the per-session pass (the model's own mask). Batched
+A batch of one runs exactly the per-session pass (the model's own mask); a tree's pass
+alone runs as a batch of one where batched passes serve the model. Batched
 logits differ from it by float rounding (about 1e-6 in float32), the same caveat as a
 block of k+1 tokens against k+1 single-token passes.
 """
@@ -370,6 +371,7 @@ class StepScheduler:
         self._ready = threading.Condition()
         self._runner: Runner | None = None
         self._running: list[_Queued] = []  # the pass on the worker now
+        self._shared = True  # the runner's batched passes serve this model (no refusal)
 
     def start(self, runner: Runner, refusal: str | None) -> None:
         """Serve passes on `runner`; `refusal`: why its sessions cannot share a pass (None:
@@ -377,6 +379,7 @@ class StepScheduler:
         if refusal is not None and (self.max_sessions > 1 or self.buckets):
             log.warning("sessions of this model run one per forward pass, unpadded: %s", refusal)
             self.max_sessions, self.buckets = 1, ()
+        self._shared = refusal is None
         self._runner = runner
         for layer in runner.stoppable():
             layer.register_forward_pre_hook(self._stop_if_unwanted)
@@ -447,8 +450,12 @@ class StepScheduler:
                   for q in live]
         self._running = live
         try:
-            if len(live) == 1 and not self.buckets:
-                return [runner.single(live[0].p)]
+            # A pass alone runs the model's own forward, except a tree's where batched passes
+            # serve the model: its mask then comes from the session's numbers on the device,
+            # as in any batched pass, not from a dense one built on the host.
+            alone = live[0].p
+            if len(live) == 1 and not self.buckets and not (alone.segment.token_ids and self._shared):
+                return [runner.single(alone)]
             return list(runner.batched([q.p for q in live], self.buckets))
         except PassAborted as exc:  # every step it served is gone: leave the caches as they were
             for q, length in zip(live, before, strict=True):

@@ -425,3 +425,26 @@ def test_a_pass_someone_still_waits_for_runs_to_the_end() -> None:
         assert torch.allclose(out.logits, full_pass(model, [5, 6])[-1:], atol=TOLERANCE)
 
     asyncio.run(run())
+
+
+def test_a_tree_pass_alone_gets_its_mask_from_its_numbers_not_a_dense_host_mask(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where batched passes serve the model, a tree's pass alone runs as a batch of one: its
+    mask is built on the device from the session's numbers (and a tensor-parallel rank 0 sends
+    those numbers), never the dense [tokens, keys] mask `forward_segment` builds on the host."""
+    model = llama()
+    segment = tree_segment((5, 6, 7), (-1, 0, -1))
+    alone = batching.single(model, Pass(KVSession("ref", VOCAB), 0, (3, 4), 1, segment, with_hidden=True))
+
+    def dense(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a lone tree pass built a dense mask on the host")
+
+    scheduler = StepScheduler(max_sessions=8, max_tokens=64)
+    start(scheduler, model)  # its probe compares batched trees with `forward_segment`'s
+    monkeypatch.setattr(KVSession, "forward_segment", dense)
+    session = KVSession("s", VOCAB)
+    out = asyncio.run(scheduler(Pass(session, 0, (3, 4), 1, segment, with_hidden=True)))
+    assert torch.allclose(out.logits, alone.logits, atol=TOLERANCE)
+    assert out.hidden is not None and alone.hidden is not None
+    assert torch.allclose(out.hidden, alone.hidden, atol=TOLERANCE)
+    assert session.length == 2  # the tree was forgotten
