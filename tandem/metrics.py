@@ -127,10 +127,12 @@ SESSIONS_LIMIT = Gauge("tandem_sessions_limit", "Most open sessions this replica
                        ["model"])
 SESSIONS = Counter("tandem_sessions", "Sessions opened on this replica.", ["model"])
 STEPS_IN_FLIGHT = Gauge("tandem_steps_in_flight",
-                        "Steps received and not yet answered: queued for or running on the "
-                        "forward worker. The queue depth to scale replicas on.", ["model"])
+                        "Steps received and not yet answered (a target's decode run: until its "
+                        "last token): queued for or running on the forward worker. The queue "
+                        "depth to scale replicas on.", ["model"])
 STEP_SECONDS = Histogram("tandem_replica_step_duration_seconds",
-                         "Time from receiving a step to answering it, queueing included.",
+                         "Time from receiving a step to answering it, queueing included (a "
+                         "target's decode run: to its last token).",
                          ["model"], buckets=SECONDS_BUCKETS)
 KV_CACHED_TOKENS = Gauge("tandem_kv_cached_tokens",
                          "Tokens held in this replica's KV caches, over all sessions.", ["model"])
