@@ -63,7 +63,7 @@ class Rows:
             allowed[n:, c + n:] = self.visible.to(device)
         if window is not None:
             end = c + n
-            key_positions = torch.cat([keys[:end], end + torch.tensor(self.offsets, device=device)])
+            key_positions = torch.cat([keys[:end], end + torch.tensor(self.offsets, dtype=torch.long, device=device)])
             query_positions = key_positions[c:]
             allowed &= (query_positions[:, None] - key_positions[None, :]) < window
         return allowed[None, None]
@@ -92,7 +92,7 @@ class BatchCache:
     caches: list[DynamicCache]  # in `layout.rows` order
     layout: Layout
     held: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # this layer's
-    _masks: list[torch.Tensor | None] | None = None
+    _masks: dict[torch.device, list[torch.Tensor | None]] = field(default_factory=dict)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,10 +106,11 @@ class BatchCache:
         return key_states, value_states  # unused: the attention reads `held`
 
     def masks(self, device: torch.device) -> list[torch.Tensor | None]:
-        """Each session's mask (`Rows.mask`), built once a pass on the first layer."""
-        if self._masks is None:
-            self._masks = [rows.mask(self.layout.window, device) for rows in self.layout.rows]
-        return self._masks
+        """Each session's mask (`Rows.mask`) on `device`, built once a pass for each device
+        the layers run on (one; several where a device map spreads the layers)."""
+        if device not in self._masks:
+            self._masks[device] = [rows.mask(self.layout.window, device) for rows in self.layout.rows]
+        return self._masks[device]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0  # a batched pass always names its positions

@@ -4,7 +4,7 @@ or decoding a run of tokens with the target alone."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,7 +104,7 @@ async def decode_run(
     seed: int,  # the request's: the token at position p is drawn with position_seed(seed, p)
     max_tokens: int,
     stop_token_ids: frozenset[int],
-) -> AsyncIterator[tuple[ScoredStep, float]]:
+) -> AsyncGenerator[tuple[ScoredStep, float], None]:
     """Decode up to `max_tokens` tokens with the target alone, yielding each as it is drawn
     (the bonus token of a block of none) with its step time in ms; the run ends after a
     stop token. Each token is its own step through the scheduler, so other sessions' passes
@@ -130,3 +130,5 @@ async def decode_run(
                 return
     finally:
         pending.cancel()
+        if pending.done() and not pending.cancelled():
+            pending.exception()  # retrieved: a pass that failed after the run was closed is no error

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import AsyncIterator
 from typing import Any
@@ -127,11 +128,13 @@ class TargetService(ModelServicer, target_pb2_grpc.TargetServiceServicer):
                         bonus_token_id=scored.scored.bonus_token_id))
             elif kind == "decode_run":
                 stops = self._run_checks(request.decode_run, session, history)
-                async for scored, ms in decode_run(self.host.run_step, session, step, params, request.seed,
-                                                   request.decode_run.max_tokens, stops):
-                    yield target_pb2.ScoreBlocksResponse(
-                        cache_length=scored.cache_length, compute_ms=ms, **self._load(session),
-                        block_scores=target_pb2.BlockScores(bonus_token_id=scored.scored.bonus_token_id))
+                # Closed with this stream's handler: the pass queued ahead is cancelled with it.
+                async with contextlib.aclosing(decode_run(self.host.run_step, session, step, params, request.seed,
+                                                          request.decode_run.max_tokens, stops)) as tokens:
+                    async for scored, ms in tokens:
+                        yield target_pb2.ScoreBlocksResponse(
+                            cache_length=scored.cache_length, compute_ms=ms, **self._load(session),
+                            block_scores=target_pb2.BlockScores(bonus_token_id=scored.scored.bonus_token_id))
             else:
                 raise InvalidRequest("the step sets no proposal: send draft_proposal (with no "
                                      "tokens for a plain target step), target_proposal or decode_run")

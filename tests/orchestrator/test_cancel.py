@@ -18,6 +18,7 @@ from collections.abc import Iterator
 
 import grpc
 from replicas import replica_state, wait_for_baseline
+from scrape import sample
 
 from tandem.launch import Stack
 from tandem.server import CHANNEL_OPTIONS
@@ -71,6 +72,32 @@ def test_cancelled_streams_free_their_sessions(tiny_stack: Stack) -> None:
         assert reply.usage.completion_tokens == 2
     for role in ("draft", "target"):  # each cancelled request (fixed k=4) opened one on each
         assert state[f"{role} tandem_sessions_total"] >= baseline[f"{role} tandem_sessions_total"] + 4
+
+
+def test_a_cancelled_decode_run_stops_on_the_target_and_frees_its_session(tiny_stack: Stack) -> None:
+    """k=0: the target decodes each request as one run, a step of its own that lasts the whole
+    request, so its step count cannot show the stop; its passes do: cancelled two tokens in,
+    the two runs stop far short of their 480 tokens each."""
+    target = tiny_stack.targets[0]
+    baseline = replica_state(tiny_stack)
+    passes = sample(target, "tandem_batch_sessions_sum")
+    plain = {"max_new_tokens": LENGTH, "ignore_eos": True, "num_speculative_tokens": 0}
+    with grpc.insecure_channel(tiny_stack.address, options=CHANNEL_OPTIONS) as channel:
+        stub = orchestrator_pb2_grpc.OrchestratorServiceStub(channel)
+        calls = [stub.Generate(orchestrator_pb2.GenerateRequest(prompt=p, **plain), timeout=120)
+                 for p in ("a", "hello")]
+        for call in calls:
+            assert next(call).HasField("delta") and next(call).HasField("delta")  # decoding
+        with frozen(tiny_stack):
+            for call in calls:
+                call.cancel()
+            assert {call.code() for call in calls} == {grpc.StatusCode.CANCELLED}
+        wait_for_baseline(tiny_stack, baseline)
+        served = sample(target, "tandem_batch_sessions_sum") - passes
+        assert served < LENGTH, f"{served} passes for 2 runs cancelled two tokens in"
+        reply = stub.GenerateUnary(orchestrator_pb2.GenerateUnaryRequest(
+            prompt="a", max_new_tokens=2, num_speculative_tokens=0))
+        assert reply.usage.completion_tokens == 2
 
 
 CLIENT = """

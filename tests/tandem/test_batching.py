@@ -448,3 +448,21 @@ def test_a_tree_pass_alone_gets_its_mask_from_its_numbers_not_a_dense_host_mask(
     assert out.hidden is not None and alone.hidden is not None
     assert torch.allclose(out.hidden, alone.hidden, atol=TOLERANCE)
     assert session.length == 2  # the tree was forgotten
+
+
+def test_a_batched_pass_builds_its_masks_on_each_device_its_layers_run_on() -> None:
+    """Found in review: the masks were built once, on the first layer's device, so a model
+    spread over devices by a device map attended with masks on the wrong one."""
+    from transformers import DynamicCache
+
+    from tandem.lm import BatchCache, Layout, Rows
+
+    segment = tree_segment((5, 6), (-1, 0))
+    batch = BatchCache([DynamicCache(), DynamicCache()],
+                       Layout((Rows(4, 2, segment.offsets, segment.visible), Rows(3, 2)), window=4))
+    cpu, meta = batch.masks(torch.device("cpu")), batch.masks(torch.device("meta"))
+    assert batch.masks(torch.device("cpu")) is cpu  # built once a pass per device
+    for on_cpu, on_meta in zip(cpu, meta, strict=True):
+        assert on_cpu is not None and on_meta is not None
+        assert on_cpu.device.type == "cpu" and on_meta.device.type == "meta"
+        assert on_cpu.shape == on_meta.shape
