@@ -13,7 +13,7 @@ import contextlib
 import logging
 from collections.abc import AsyncGenerator, Callable, Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 
@@ -28,6 +28,8 @@ from tandem.split import split_from_proto
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 log = logging.getLogger(__name__)
+
+R = TypeVar("R")
 
 
 @dataclass(eq=False)  # one channel each: compared by identity
@@ -374,13 +376,19 @@ class TargetSession(RemoteSession):
         TargetScores, or TreeCommit."""
         response = await self._step("ScoreBlocks", lambda synced: wire.score_request_to_proto(
             self.session_id, synced, history[synced:], block, self.proposer, params, seed))
+        if self.proposer:
+            return self._result(response, "target_proposal step", TreeCommit)
+        return self._result(response, "draft_proposal step", TargetScores)
+
+    def _result(self, response: target_pb2.ScoreBlocksResponse, sent: str, kind: type[R]) -> R:
+        """The answer's result, which must be of `kind` (the protocol `sent` speaks); the
+        replica's KV usage, as it reports it, noted for routing."""
         if self.replica is not None:
             self.replica.kv_usage = response.kv_cache_usage
         result = wire.target_result_from_proto(response)
-        if result is None or isinstance(result, TreeCommit) != bool(self.proposer):
+        if not isinstance(result, kind):
             where = self.replica.address if self.replica else "?"
-            sent = "target_proposal" if self.proposer else "draft_proposal"
-            raise Unavailable(f"target replica {where} answered a {sent} step with "
+            raise Unavailable(f"target replica {where} answered a {sent} with "
                               f"{response.WhichOneof('result') or 'no result'}; is it of another "
                               "Tandem version than this orchestrator?")
         return result
@@ -398,15 +406,7 @@ class TargetSession(RemoteSession):
 
         async with contextlib.aclosing(self._stream("ScoreBlocks", build)) as answers:
             async for response in answers:
-                if self.replica is not None:
-                    self.replica.kv_usage = response.kv_cache_usage
-                result = wire.target_result_from_proto(response)
-                if not isinstance(result, TargetScores):
-                    where = self.replica.address if self.replica else "?"
-                    raise Unavailable(f"target replica {where} answered a decode_run with "
-                                      f"{response.WhichOneof('result') or 'no result'}; is it of another "
-                                      "Tandem version than this orchestrator?")
-                yield result
+                yield self._result(response, "decode_run", TargetScores)
 
 
 async def fetch_model_info(address: str, stub_class: type, wait_s: float,

@@ -25,7 +25,7 @@ from tandem.errors import (
     ResourceExhausted,
     SessionEvicted,
 )
-from tandem.lm import CausalLM
+from tandem.lm import CausalLM, Rows
 from tandem.split import NO_SPLIT, PassSplit
 
 
@@ -55,27 +55,6 @@ def tree_segment(token_ids: tuple[int, ...], parents: tuple[int, ...]) -> Segmen
             visible[node] |= visible[parent]
             depth[node] = depth[parent] + 1
     return Segment(tuple(token_ids), tuple(depth), visible)
-
-
-def segment_layout(cached: int, n: int, segment: Segment, window: int | None = None
-                   ) -> tuple[torch.Tensor, list[int]]:
-    """Which keys each of a pass's tokens sees, and the tokens' positions.
-
-    The pass appends n history tokens after `cached` ones, then scores `segment`: each
-    history token sees the cache and the history up to itself; a segment token sees all the
-    history and the segment tokens its `visible` row names. With `window`, a token sees only
-    keys less than `window` positions back. Returns allowed [n + t, cached + n + t] (bool) and
-    the positions [n + t].
-    """
-    t = len(segment.token_ids)
-    positions = [*range(cached, cached + n), *(cached + n + o for o in segment.offsets)]
-    allowed = torch.zeros(n + t, cached + n + t, dtype=torch.bool)
-    allowed[:, :cached + n] = torch.ones(n + t, cached + n, dtype=torch.bool).tril(cached)
-    allowed[n:, cached + n:] = segment.visible
-    if window is not None:
-        keys = torch.tensor([*range(cached), *positions])
-        allowed &= (torch.tensor(positions)[:, None] - keys[None, :]) < window
-    return allowed, positions
 
 
 @dataclass
@@ -238,10 +217,11 @@ class KVSession:
         cached, n, t = self.length, len(token_ids), len(segment.token_ids)
         where: dict[str, torch.Tensor] = {}  # no segment: the model's own mask (sliding windows too)
         if t:
-            allowed, positions = segment_layout(cached, n, segment)  # [n + t, cached + n + t]
-            mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
-            where = {"attention_mask": mask[None, None].to(device),
-                     "position_ids": torch.tensor([positions], device=device)}
+            rows = Rows(cached, n, segment.offsets, segment.visible)
+            allowed = rows.mask(None, device)  # [1, 1, n + t, cached + n + t]
+            assert allowed is not None  # a segment always has one
+            mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+            where = {"attention_mask": mask, "position_ids": torch.tensor([rows.positions()], device=device)}
         with host.forward(device):
             out = model(input_ids=torch.tensor([[*token_ids, *segment.token_ids]], device=device),
                         cache=self.cache, use_cache=True, output_hidden_states=with_hidden,

@@ -52,19 +52,27 @@ def request(prompt: str) -> orchestrator_pb2.GenerateRequest:
                                             num_speculative_tokens=K)
 
 
+def cancel_two_tokens_in(stack: Stack, stub: orchestrator_pb2_grpc.OrchestratorServiceStub,
+                         requests: list[orchestrator_pb2.GenerateRequest]) -> list[grpc.Call]:
+    """Start every request, read two deltas of each, then cancel them all while the target
+    is frozen; the calls, each ended CANCELLED."""
+    calls = [stub.Generate(r, timeout=120) for r in requests]
+    for call in calls:
+        assert next(call).HasField("delta") and next(call).HasField("delta")  # generating
+    with frozen(stack):
+        for call in calls:
+            call.cancel()
+        assert {call.code() for call in calls} == {grpc.StatusCode.CANCELLED}
+    return calls
+
+
 def test_cancelled_streams_free_their_sessions(tiny_stack: Stack) -> None:
     baseline = replica_state(tiny_stack)
     with grpc.insecure_channel(tiny_stack.address, options=CHANNEL_OPTIONS) as channel:
         stub = orchestrator_pb2_grpc.OrchestratorServiceStub(channel)
-        calls = [stub.Generate(request(p), timeout=120) for p in ("a", "hello", "def f(x):", "x = 1")]
-        for call in calls:
-            # Two steps each: the prefill (the target's alone: this draft shares its CPUs, so
-            # it is not prefilled beside it), then a drafted block, which opens the draft's session.
-            assert next(call).HasField("delta") and next(call).HasField("delta")  # generating
-        with frozen(tiny_stack):
-            for call in calls:
-                call.cancel()
-            assert {call.code() for call in calls} == {grpc.StatusCode.CANCELLED}
+        # Two steps each: the prefill (the target's alone: this draft shares its CPUs, so it is
+        # not prefilled beside it), then a drafted block, which opens the draft's session.
+        calls = cancel_two_tokens_in(tiny_stack, stub, [request(p) for p in ("a", "hello", "def f(x):", "x = 1")])
         state = wait_for_baseline(tiny_stack, baseline)
         assert_stopped_early(state, baseline, len(calls))
         # The orchestrator keeps serving.
@@ -84,14 +92,8 @@ def test_a_cancelled_decode_run_stops_on_the_target_and_frees_its_session(tiny_s
     plain = {"max_new_tokens": LENGTH, "ignore_eos": True, "num_speculative_tokens": 0}
     with grpc.insecure_channel(tiny_stack.address, options=CHANNEL_OPTIONS) as channel:
         stub = orchestrator_pb2_grpc.OrchestratorServiceStub(channel)
-        calls = [stub.Generate(orchestrator_pb2.GenerateRequest(prompt=p, **plain), timeout=120)
-                 for p in ("a", "hello")]
-        for call in calls:
-            assert next(call).HasField("delta") and next(call).HasField("delta")  # decoding
-        with frozen(tiny_stack):
-            for call in calls:
-                call.cancel()
-            assert {call.code() for call in calls} == {grpc.StatusCode.CANCELLED}
+        cancel_two_tokens_in(tiny_stack, stub, [orchestrator_pb2.GenerateRequest(prompt=p, **plain)
+                                                for p in ("a", "hello")])
         wait_for_baseline(tiny_stack, baseline)
         served = sample(target, "tandem_batch_sessions_sum") - passes
         assert served < LENGTH, f"{served} passes for 2 runs cancelled two tokens in"
