@@ -63,7 +63,7 @@ async def speculate(gen: Generation, proposer: Proposer | None, target: TargetSe
     try:
         while generated < gen.max_new_tokens:
             remaining = gen.max_new_tokens - generated
-            target_seed = int(torch.randint(0, 2**62, (1,), generator=rng))
+            target_seed = int(torch.randint(0, 2**62, (1,), generator=rng)) if run is None else 0  # a run keys its own
             started = time.perf_counter()
             prefill, target_synced = target.synced == 0, target.synced
             lag = proposer.lag(len(history)) if proposer is not None else 0
@@ -104,7 +104,8 @@ async def speculate(gen: Generation, proposer: Proposer | None, target: TargetSe
                 new, drafted = list(result.committed_token_ids), result.proposed_count
                 accepted, rejected = len(new) - 1, 0
             else:  # TargetScores of `block`: the acceptance is drawn here
-                uniforms = torch.rand(len(block.token_ids), generator=rng, dtype=torch.float64).tolist()
+                uniforms = (torch.rand(len(block.token_ids), generator=rng, dtype=torch.float64).tolist()
+                            if block.token_ids else [])
                 accepted = sampling.num_accepted(result.scored.target_probs, block.draft_probs, uniforms)
                 new, drafted = sampling.commit(block.token_ids, result.scored, accepted), len(block.token_ids)
                 rejected = int(accepted < drafted)

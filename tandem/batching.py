@@ -91,6 +91,12 @@ class Pass:
     segment: Segment = EMPTY_SEGMENT  # [t] scored after token_ids, then forgotten
     with_hidden: bool = False  # the last hidden states at the same rows
     reduce: Reduce | None = None  # what the step reads of the logits (PassOutput.value)
+    # A run of passes (a decode run): called on the forward worker with this pass's output, it
+    # names the session's next pass, queued first for the next tick under the same call, so
+    # the run goes on without a return to the event loop; None ends the run, and this output
+    # answers the call. It must be quick and must not touch the event loop's state except
+    # through `loop.call_soon_threadsafe`.
+    then: Callable[[PassOutput], Pass | None] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -505,15 +511,37 @@ class StepScheduler:
                 log.exception("could not record a pass")  # metrics must never stop the worker
             for q, output in zip(live, outputs, strict=True):
                 try:
-                    q.loop.call_soon_threadsafe(self._over, q, output, stats)
+                    self._answer(q, output, stats)
                 except Exception:
                     log.exception("could not answer a pass")  # e.g. its event loop closed
 
+    def _answer(self, q: _Queued, output: PassOutput | BaseException, stats: BatchStats) -> None:
+        """Hand a pass's output back to its event loop, or go on with the run it belongs to."""
+        if q.p.then is None or isinstance(output, BaseException) or q.future.cancelled():
+            q.loop.call_soon_threadsafe(self._over, q, output, stats)
+            return
+        q.loop.call_soon_threadsafe(self._account, q.p.session, stats)  # before `then` tells of the pass
+        following: Pass | None = None
+        try:
+            following = q.p.then(output)
+        except Exception as exc:  # noqa: BLE001 - the run's own error, handed to its call
+            output = exc
+        if following is None:
+            q.loop.call_soon_threadsafe(self._over, q, output, None)
+            return
+        with self._ready:
+            self._queue.appendleft(_Queued(following, q.future, q.loop))
+
+    @staticmethod
+    def _account(session: KVSession, stats: BatchStats) -> None:
+        session.last_pass = stats  # read by the step once its pass is over
+        session.split += stats.split
+
     def _over(self, q: _Queued, output: PassOutput | BaseException | None, stats: BatchStats | None) -> None:
-        """On the event loop: a pass ran (`output`, in the pass `stats`) or was skipped (None)."""
+        """On the event loop: a pass (or a run's last pass) ran (`output`, in the pass `stats`,
+        None where a run has told of it already) or was skipped (`output` None)."""
         if stats is not None:
-            q.p.session.last_pass = stats  # read by the step once its future resolves
-            q.p.session.split += stats.split
+            self._account(q.p.session, stats)
         if output is not None:
             _settle(q.future, output)
         q.p.session.pass_over()

@@ -4,6 +4,7 @@ or decoding a run of tokens with the target alone."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -11,7 +12,7 @@ from typing import Any
 import torch
 
 from tandem import sampling
-from tandem.batching import Forward, Pass
+from tandem.batching import Forward, Pass, PassOutput
 from tandem.kv import KVSession
 from tandem.model_service import Step
 from target_service.candidates import NO_CANDIDATES, TargetProposer
@@ -96,6 +97,12 @@ async def propose_and_verify(
 RunStep = Callable[..., Awaitable[tuple[Any, float]]]
 
 
+#: A decode run claims KV room this many tokens at a time (`ModelHost.run_step`): within a
+#: stretch its passes follow each other on the forward worker; between stretches the event loop
+#: claims the next.
+RUN_STRETCH = 32
+
+
 async def decode_run(
     run_step: RunStep,
     session: KVSession,
@@ -106,29 +113,57 @@ async def decode_run(
     stop_token_ids: frozenset[int],
 ) -> AsyncGenerator[tuple[ScoredStep, float], None]:
     """Decode up to `max_tokens` tokens with the target alone, yielding each as it is drawn
-    (the bonus token of a block of none) with its step time in ms; the run ends after a
-    stop token. Each token is its own step through the scheduler, so other sessions' passes
-    share its passes as they would a plain step's.
+    (the bonus token of a block of none) with the ms since the one before; the run ends after
+    a stop token.
 
-    The next token's pass is submitted before this one is yielded: the answer goes out on
-    the wire while the model runs.
+    Each token is one pass through the scheduler, so other sessions' passes share it as they
+    would a plain step's; but the next pass is named on the forward worker as soon as a token
+    is drawn (`Pass.then`), so the model never waits for the event loop, which sends each
+    token on the wire while the next pass runs.
     """
-    def token(position: int, new: list[int]) -> asyncio.Future[tuple[ScoredStep, float]]:
-        at = position + len(new)  # where the drawn token will sit
-        return asyncio.ensure_future(run_step(session, at, score_block, session, Step(position, new), [], [],
-                                              params, sampling.position_seed(seed, at)))
+    loop = asyncio.get_running_loop()
+    news: asyncio.Queue[tuple[ScoredStep, float] | asyncio.Future[Any]] = asyncio.Queue()
+    clock = [time.perf_counter()]
 
-    pending = token(step.cache_position, step.new_token_ids)
+    def token(position: int, new: tuple[int, ...], left: int) -> Pass:
+        at = position + len(new)  # where the drawn token will sit
+
+        def score(logits: torch.Tensor, hidden: torch.Tensor | None) -> sampling.ScoredBlock:
+            return sampling.score_logits(logits, params, [], [], sampling.position_seed(seed, at))
+
+        def then(out: PassOutput) -> Pass | None:  # on the forward worker
+            drawn = out.value.bonus_token_id
+            now = time.perf_counter()
+            loop.call_soon_threadsafe(news.put_nowait, (ScoredStep(out.value, at), (now - clock[0]) * 1000.0))
+            clock[0] = now
+            return token(at, (drawn,), left - 1) if left > 1 and drawn not in stop_token_ids else None
+
+        return Pass(session, position, new, reduce=score, then=then)
+
+    async def stretch(forward: Forward, first: Pass) -> None:
+        await forward(first)
+
+    position, new, left = step.cache_position, tuple(step.new_token_ids), max_tokens
+    running: asyncio.Future[Any] | None = None
     try:
-        for i in range(max_tokens):
-            scored, ms = await pending
-            drawn = scored.scored.bonus_token_id
-            if i + 1 < max_tokens and drawn not in stop_token_ids:
-                pending = token(scored.cache_length, [drawn])
-            yield scored, ms
-            if drawn in stop_token_ids:
+        while left:
+            count = min(left, RUN_STRETCH)
+            # The stretch's last pass leaves its cache holding count - 1 more than the first's.
+            running = asyncio.ensure_future(run_step(session, position + len(new) + count - 1, stretch,
+                                                     token(position, new, count)))
+            running.add_done_callback(news.put_nowait)
+            drawn = None
+            while not isinstance(item := await news.get(), asyncio.Future):
+                scored, ms = item
+                drawn, position, new = scored.scored.bonus_token_id, scored.cache_length, ()
+                left -= 1
+                yield scored, ms
+            running.result()  # a failed pass's error
+            if drawn is None or drawn in stop_token_ids:
                 return
+            new = (drawn,)
     finally:
-        pending.cancel()
-        if pending.done() and not pending.cancelled():
-            pending.exception()  # retrieved: a pass that failed after the run was closed is no error
+        if running is not None:
+            running.cancel()
+            if running.done() and not running.cancelled():
+                running.exception()  # retrieved: a pass that failed after the run was closed is no error

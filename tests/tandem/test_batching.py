@@ -466,3 +466,58 @@ def test_a_batched_pass_builds_its_masks_on_each_device_its_layers_run_on() -> N
         assert on_cpu is not None and on_meta is not None
         assert on_cpu.device.type == "cpu" and on_meta.device.type == "meta"
         assert on_cpu.shape == on_meta.shape
+
+
+def chained(session: KVSession, prompt: list[int], steps: int, tokens: list[int],
+            threads: set[str]) -> Pass:
+    """A greedy run of `steps` tokens as one call: each pass names the next (`Pass.then`)."""
+    def then(out: batching.PassOutput) -> Pass | None:
+        threads.add(threading.current_thread().name)
+        tokens.append(int(out.logits[-1].argmax()))
+        return Pass(session, session.length, (tokens[-1],), then=then) if len(tokens) < steps else None
+
+    return Pass(session, 0, tuple(prompt), then=then)
+
+
+def test_a_run_of_passes_goes_on_on_the_worker_and_shares_passes_with_other_sessions() -> None:
+    """A decode run's passes follow each other on the forward worker, with no return to the
+    event loop between them: one call serves the whole run, and another session's plain
+    steps still share its passes."""
+    model = llama()
+    seen: list[batching.BatchStats] = []
+    scheduler = StepScheduler(max_sessions=8, max_tokens=64, on_batch=seen.append)
+    start(scheduler, model)
+    tokens: list[int] = []
+    threads: set[str] = set()
+
+    async def both() -> list[int]:
+        run = scheduler(chained(KVSession("run", VOCAB), [3, 4, 5], 40, tokens, threads))
+        plain, _ = await asyncio.gather(greedy(scheduler, [6, 7, 8], 30), run)
+        return plain
+
+    plain = asyncio.run(both())
+    assert tokens == asyncio.run(greedy(batching.direct(model), [3, 4, 5], 40))
+    assert plain == asyncio.run(greedy(batching.direct(model), [6, 7, 8], 30))
+    assert threads == {"forward"}
+    assert sum(s.sessions for s in seen) == 40 + 30
+    assert max(s.sessions for s in seen) == 2  # the plain steps rode along with the run
+
+
+def test_a_cancelled_run_stops_and_leaves_its_session_free() -> None:
+    model = llama()
+    seen: list[batching.BatchStats] = []
+    scheduler = StepScheduler(max_sessions=8, max_tokens=64, on_batch=seen.append)
+    start(scheduler, model)
+    tokens: list[int] = []
+
+    async def run() -> None:
+        session = KVSession("run", VOCAB)
+        call = asyncio.ensure_future(scheduler(chained(session, [3, 4, 5], 10_000, tokens, set())))
+        while len(tokens) < 3:
+            await asyncio.sleep(0.001)
+        call.cancel()
+        await session.still()  # the run's one pending pass is over
+        assert not session.pending
+
+    asyncio.run(run())
+    assert len(seen) < 1000  # stopped far short of its 10,000 passes

@@ -8,6 +8,7 @@ import pytest
 
 from tandem.launch import Stack
 from tandem.v1 import common_pb2, target_pb2, target_pb2_grpc
+from target_service.scorer import RUN_STRETCH
 
 PLAIN = target_pb2.DraftProposal()  # a plain target step: nothing proposed
 
@@ -139,19 +140,23 @@ def run(new_token_ids: list[int], max_tokens: int, *, cache_position: int = 0, s
         decode_run=target_pb2.DecodeRun(max_tokens=max_tokens, stop_token_ids=stops))
 
 
-def test_a_decode_run_answers_each_token_as_a_plain_step_would(tiny_stack: Stack) -> None:
-    """Greedy: a run of 6 tokens is six plain steps' bonus tokens, one response each, each
-    with the cache as that step would leave it."""
+@pytest.mark.parametrize("length", [6, 2 * RUN_STRETCH + 5])
+def test_a_decode_run_answers_each_token_as_a_plain_step_would(tiny_stack: Stack, length: int) -> None:
+    """Greedy: a run of n tokens is n plain steps' bonus tokens, one response each, each with
+    the cache as that step would leave it, across the stretches it claims KV room in."""
     with grpc.insecure_channel(tiny_stack.targets[0].address) as channel:
         stub = target_pb2_grpc.TargetServiceStub(channel)
         history = [5, 6, 7]
-        for _ in range(6):
+        for _ in range(length):
             [step] = one_step(stub.ScoreBlocks, target_pb2.ScoreBlocksRequest(
                 new_token_ids=history, draft_proposal=PLAIN))
             history.append(step.block_scores.bonus_token_id)
-        answers = one_step(stub.ScoreBlocks, run([5, 6, 7], 6))
+        answers = one_step(stub.ScoreBlocks, run([5, 6, 7], length))
+        stop = history[3 + min(length - 2, RUN_STRETCH + 2)]  # in the second stretch, if any
+        stopped = one_step(stub.ScoreBlocks, run([5, 6, 7], length, stops=(stop,)))
     assert [a.block_scores.bonus_token_id for a in answers] == history[3:]
-    assert [a.cache_length for a in answers] == [3, 4, 5, 6, 7, 8]
+    assert [a.cache_length for a in answers] == list(range(3, 3 + length))
+    assert [a.block_scores.bonus_token_id for a in stopped] == history[3:history.index(stop, 3) + 1]
 
 
 def test_a_resent_run_draws_the_same_tokens(tiny_stack: Stack) -> None:
