@@ -87,6 +87,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens", type=int, default=128, help="new tokens per request")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--decode-graph", default="auto",
+                        help="the target's --decode-graph (auto: a decode run's one-token passes "
+                             "captured as a CUDA graph on cuda; off: uncaptured)")
     parser.add_argument("--out", default="", help="write the figures as JSON here too")
     parser.add_argument("--logs", default="", help="keep the services' logs in this directory")
     args = parser.parse_args(argv)
@@ -106,8 +109,10 @@ def main(argv: list[str] | None = None) -> None:
     if logs is not None:
         logs.mkdir(parents=True, exist_ok=True)
     stack = start_stack(str(path), str(path), draft_dtype=args.dtype, target_dtype=args.dtype,
-                        draft_args=service, target_args=service, log_dir=logs)
+                        draft_args=service, target_args=[*service, "--decode-graph", args.decode_graph],
+                        log_dir=logs)
     results: dict[str, Any] = {"device": args.device, "shape": args.shape, "dtype": args.dtype,
+                               "decode_graph": args.decode_graph,
                                "prompt_tokens": args.prompt_tokens, "tokens": args.tokens,
                                "hf_tokens_per_s": hf_rate}
     try:

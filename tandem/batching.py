@@ -275,13 +275,17 @@ class Runner(Protocol):
         """Modules before each of which a running pass may stop (PassAborted)."""
 
 
-@dataclass(frozen=True)
+@dataclass
 class TorchRunner:
     """Passes through a Hugging Face model's forward: `single` and `batched` above."""
 
     model: CausalLM
+    # A decode run's one-token passes alone, through a static slot (tandem.decode_graph.DecodeGraph).
+    decode: Any = None
 
     def single(self, p: Pass) -> PassOutput:
+        if self.decode is not None and self.decode.fits(p):
+            return self.decode.run(p)  # type: ignore[no-any-return]
         return single(self.model, p)
 
     def batched(self, passes: list[Pass], buckets: tuple[int, ...]) -> list[PassOutput]:
@@ -395,6 +399,8 @@ class StepScheduler:
         """Before each layer: a pass nobody waits for any more (its steps were cancelled, as
         drafting ahead's guesses are when the outcome rules them out) stops here rather than
         delay the pass that replaces it by the rest of its layers."""
+        if torch.compiler.is_compiling():
+            return  # traced into a compiled step (tandem.decode_graph), which runs whole
         running = self._running
         # Future.cancelled() only reads the future's state: safe from this thread.
         if running and all(q.future.cancelled() for q in running):
@@ -569,9 +575,10 @@ def _settle(future: asyncio.Future[PassOutput], output: PassOutput | BaseExcepti
 
 
 def parse_buckets(spec: str, max_tokens: int, device: str) -> tuple[int, ...]:
-    """--batch-token-buckets: "auto" and "off" pad nothing (no pass is captured as a CUDA
-    graph yet, so padding buys no shape reuse and costs the padded tokens and the batched
-    path for a pass alone); or a comma-separated list of sizes to pad to."""
+    """--batch-token-buckets: "auto" and "off" pad nothing (no batched pass is captured as a
+    CUDA graph, only a decode run's one-token passes alone are (tandem.decode_graph), so
+    padding buys no shape reuse and costs the padded tokens and the batched path for a pass
+    alone); or a comma-separated list of sizes to pad to."""
     if spec in ("off", "auto"):
         return ()
     try:

@@ -107,6 +107,10 @@ def _serve_model(args: argparse.Namespace, label: str) -> None:
         parse_buckets(cfg.batch_token_buckets, cfg.max_batch_tokens, cfg.device)
     except ValueError as exc:
         sys.exit(f"{label}: {exc}")
+    from tandem import decode_graph  # the model services' own: it imports torch
+    if cfg.decode_graph not in decode_graph.MODES or cfg.decode_graph_tokens < 1:
+        sys.exit(f"{label}: --decode-graph must be one of {', '.join(decode_graph.MODES)}, and "
+                 "--decode-graph-tokens at least 1")
     if cfg.max_batch_sessions < 1 or cfg.max_batch_tokens < 1:
         sys.exit(f"{label}: --max-batch-sessions and --max-batch-tokens must be >= 1")
     top = _tensor_parallel(cfg, label)

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import torch
 from transformers import AutoConfig, AutoTokenizer, DynamicCache
 
-from tandem import batching, llama, matmul, models, parallel, topology
+from tandem import batching, decode_graph, llama, matmul, models, parallel, topology
 from tandem.config import option
 from tandem.errors import BudgetHeld, InvalidRequest, Unavailable
 from tandem.kv import KVSession, SessionTable
@@ -89,9 +89,15 @@ class ModelServiceConfig(ServerSecurityConfig):
                                      "one session per pass, the unbatched baseline)")
     max_batch_tokens: int = option(512, "most tokens in one forward pass over its sessions (a "
                                    "longer single step, such as a prefill, still runs alone)")
-    batch_token_buckets: str = option("auto", "pad each pass's tokens up to one of these sizes, the "
-                                      "shapes a CUDA graph would be captured for: auto and off pad "
-                                      "nothing (no pass is captured yet); or sizes like 8,16,32")
+    batch_token_buckets: str = option("auto", "pad each batched pass's tokens up to one of these "
+                                      "sizes: auto and off pad nothing (no batched pass is captured "
+                                      "as a CUDA graph); or sizes like 8,16,32")
+    decode_graph: str = option("auto", "target only: a decode run's one-token passes, for a session "
+                               "alone in its pass, through a static KV slot and one compiled step: "
+                               "compile (torch.compile; on a GPU captured as a CUDA graph), eager "
+                               "(the same step uncompiled), off, or auto: compile on cuda, else off")
+    decode_graph_tokens: int = option(4096, "target only: positions in the decode graph's static KV "
+                                      "slot (passes of longer sessions run uncaptured)")
     tensor_parallel_size: int = option(1, "shard the model over N ranks with torch.distributed "
                                        "(gloo on CPU, NCCL on CUDA, one GPU per rank); rank 0 "
                                        "serves. Without --tp-rank (or torchrun's RANK), rank 0 "
@@ -155,6 +161,7 @@ class ModelHost:
         self.matmul_path = matmul.DEFAULT
         self.new_cache: Callable[[], Any] = DynamicCache  # a session's empty cache
         self.quantized = ""  # what --quantize (auto: the timing) chose
+        self.serves_decode_runs = False  # a target's host: --decode-graph applies
         self.metrics = ReplicaMetrics.for_model(config.model, config.max_sessions)
         self.scheduler = batching.StepScheduler(
             config.max_batch_sessions, config.max_batch_tokens,
@@ -239,7 +246,12 @@ class ModelHost:
         )
         self.tokenizer = tokenizer
         refusal = self.batch_refusal if self.quantized else batching.batching_refusal(model)
-        self.scheduler.start(batching.TorchRunner(model), refusal)
+        runner = batching.TorchRunner(model)
+        self.scheduler.start(runner, refusal)
+        if self.serves_decode_runs and group is None and not self.quantized:
+            # Compiled with the scheduler's hooks on the layers, as it will run.
+            runner.decode = decode_graph.build(model, self.config.decode_graph, self.config.decode_graph_tokens,
+                                               self.config.device)
         self.model = model
         log.info("loaded %s on %s (%s, matmul %s) in %.1fs, %d threads; passes (tokens: ms) "
                  "%s; KV cache: %d bytes per token, budget %s",

@@ -57,6 +57,7 @@ class TargetService(ModelServicer, target_pb2_grpc.TargetServiceServicer):
 
     def __init__(self, host: ModelHost) -> None:
         super().__init__(host)
+        host.serves_decode_runs = True
         self.proposers: dict[int, TargetProposer] = {}
         self.tokenizer: target_pb2.GetTokenizerResponse | None = None
 

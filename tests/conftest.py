@@ -52,7 +52,10 @@ def tiny_draft(tiny_dir: Path, tiny_target: Path) -> Path:
 def tiny_stack(tiny_draft: Path, tiny_target: Path) -> Iterator[Stack]:
     # Metrics endpoints on the draft and target: tests read their session and KV gauges.
     metrics = ["--metrics-port", "0"]
-    stack = start_stack(str(tiny_draft), str(tiny_target), draft_args=metrics, target_args=metrics)
+    # The target runs its decode runs through the static slot (tandem.decode_graph), uncompiled:
+    # every test of a decode run through this stack tests it (--decode-graph auto: off on a CPU).
+    stack = start_stack(str(tiny_draft), str(tiny_target), draft_args=metrics,
+                        target_args=[*metrics, "--decode-graph", "eager"])
     yield stack
     stack.stop()
 

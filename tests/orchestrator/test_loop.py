@@ -142,8 +142,8 @@ def test_the_loop_samples_the_targets_law() -> None:
 
 def test_the_law_test_catches_one_uniform_reused_across_a_block() -> None:
     reused = mutant(speculation.speculate,
-                    "uniforms = torch.rand(len(block.token_ids), generator=rng, dtype=torch.float64).tolist()",
-                    "uniforms = [float(torch.rand(1, generator=rng, dtype=torch.float64))] * len(block.token_ids)")
+                    "torch.rand(len(block.token_ids), generator=rng, dtype=torch.float64).tolist()",
+                    "[float(torch.rand(1, generator=rng, dtype=torch.float64))] * len(block.token_ids)")
     assert p_value(counts(reused), exact_law()) < ALPHA
 
 
