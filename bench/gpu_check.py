@@ -147,7 +147,8 @@ def main(argv: list[str] | None = None) -> None:
         print(line)
         print("  per step: orchestrator {orchestrator_ms:.2f} ms, wire {wire_ms:.2f} ms; target pass: "
               "before {target_before_ms:.2f} / forward {target_forward_ms:.2f} / after "
-              "{target_after_ms:.2f} ms, {target_host_bytes:.0f} bytes to the host".format(**split)
+              "{target_after_ms:.2f} ms, {target_host_bytes:.0f} bytes to the host, "
+              "{target_captured_share:.0%} of passes captured".format(**split)
               + ("; draft pass: before {draft_before_ms:.2f} / forward {draft_forward_ms:.2f} / "
                  "after {draft_after_ms:.2f} ms, {draft_host_bytes:.0f} bytes".format(**split)
                  if "draft_before_ms" in split else ""), flush=True)

@@ -201,7 +201,8 @@ def machinery(usage: Any) -> dict[str, float]:
         if split.pass_count:
             n = split.pass_count
             out |= {f"{name}_before_ms": split.host_before_ms / n, f"{name}_forward_ms": split.forward_ms / n,
-                    f"{name}_after_ms": split.host_after_ms / n, f"{name}_host_bytes": split.host_bytes / n}
+                    f"{name}_after_ms": split.host_after_ms / n, f"{name}_host_bytes": split.host_bytes / n,
+                    f"{name}_captured_share": split.captured_count / n}
     return out
 
 

@@ -112,6 +112,7 @@ class DecodeGraph:
         with host.forward(self.device):
             logits = self._run().clone()  # a CUDA graph's output is overwritten by its next replay
         self._at = n + 1
+        host.captured()
         for mine, slot in zip(layers, self.slots, strict=True):
             mine.keys, mine.values = slot.keys[:, :, :n + 1], slot.values[:, :, :n + 1]
         return finish(p, logits, None)

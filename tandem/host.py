@@ -28,13 +28,15 @@ class PassClock:
     forward_to: float | None = None
     forward_s: float = 0.0
     host_bytes: int = 0
+    captured: bool = False  # the pass ran through the decode graph
 
     def split(self) -> PassSplit:
         ended = time.perf_counter()
         first = self.forward_from if self.forward_from is not None else ended
         last = self.forward_to if self.forward_to is not None else ended
         return PassSplit(before_ms=(first - self.started) * 1000.0, forward_ms=self.forward_s * 1000.0,
-                         after_ms=(ended - last) * 1000.0, host_bytes=self.host_bytes)
+                         after_ms=(ended - last) * 1000.0, host_bytes=self.host_bytes,
+                         captured=int(self.captured))
 
 
 _current = threading.local()
@@ -72,6 +74,13 @@ class forward:
         if clock is not None:
             clock.forward_to = ended
             clock.forward_s += ended - self.began
+
+
+def captured() -> None:
+    """The pass on this thread runs through the decode graph (tandem.decode_graph)."""
+    clock = _clock()
+    if clock is not None:
+        clock.captured = True
 
 
 def count(nbytes: int) -> None:

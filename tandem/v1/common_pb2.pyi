@@ -79,18 +79,20 @@ class PassTime(_message.Message):
     def __init__(self, token_count: _Optional[int] = ..., pass_ms: _Optional[float] = ...) -> None: ...
 
 class PassSplit(_message.Message):
-    __slots__ = ("host_before_ms", "forward_ms", "host_after_ms", "host_bytes", "pass_count")
+    __slots__ = ("host_before_ms", "forward_ms", "host_after_ms", "host_bytes", "pass_count", "captured_count")
     HOST_BEFORE_MS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
     HOST_AFTER_MS_FIELD_NUMBER: _ClassVar[int]
     HOST_BYTES_FIELD_NUMBER: _ClassVar[int]
     PASS_COUNT_FIELD_NUMBER: _ClassVar[int]
+    CAPTURED_COUNT_FIELD_NUMBER: _ClassVar[int]
     host_before_ms: float
     forward_ms: float
     host_after_ms: float
     host_bytes: int
     pass_count: int
-    def __init__(self, host_before_ms: _Optional[float] = ..., forward_ms: _Optional[float] = ..., host_after_ms: _Optional[float] = ..., host_bytes: _Optional[int] = ..., pass_count: _Optional[int] = ...) -> None: ...
+    captured_count: int
+    def __init__(self, host_before_ms: _Optional[float] = ..., forward_ms: _Optional[float] = ..., host_after_ms: _Optional[float] = ..., host_bytes: _Optional[int] = ..., pass_count: _Optional[int] = ..., captured_count: _Optional[int] = ...) -> None: ...
 
 class GetModelInfoRequest(_message.Message):
     __slots__ = ()

@@ -29,6 +29,7 @@ def test_the_gpu_check_runs_end_to_end_on_a_cpu(tmp_path: Path) -> None:
     assert figures["k0"]["drafted_tokens"] == 0 < figures["k4"]["drafted_tokens"]
     assert "draft_forward_ms" in figures["k4"]["machinery"]
     assert (tmp_path / "target.log").exists() and (tmp_path / "orchestrator.log").exists()
+    assert figures["k0"]["machinery"]["target_captured_share"] > 0.5  # the run's passes, bar its prefill
     assert "decode graph: a decode run's one-token passes alone run through a static slot of 4096 tokens, " \
         "compiled" in (tmp_path / "target.log").read_text()
     assert "k=4 / k=0" in done.stdout

@@ -78,7 +78,8 @@ def views_slot(session: KVSession, graph: DecodeGraph) -> bool:
 def test_a_run_alone_goes_through_the_slot_and_matches_the_model() -> None:
     model = llama()
     graph = DecodeGraph(model, 128, compiled=False)
-    scheduler = scheduler_on(model, graph)
+    seen: list[batching.BatchStats] = []
+    scheduler = scheduler_on(model, graph, seen=seen)
     session = KVSession("run", VOCAB)
 
     async def run() -> list[torch.Tensor]:
@@ -88,6 +89,7 @@ def test_a_run_alone_goes_through_the_slot_and_matches_the_model() -> None:
     check(model, [3, 4, 5], rows)
     assert views_slot(session, graph)  # its cache is the slot's first positions, uncopied
     assert session.length == 3 + 29
+    assert [s.split.captured for s in seen] == [0] + [1] * 29  # the prompt's pass is not one token
 
 
 def test_a_run_that_shares_passes_leaves_the_slot_and_comes_back_exact() -> None:
