@@ -495,31 +495,44 @@ class StepScheduler:
             live = [q for q in taken if not q.future.cancelled()]
             for q in taken:
                 if q not in live:
-                    q.loop.call_soon_threadsafe(self._over, q, None, None)
+                    try:
+                        q.loop.call_soon_threadsafe(self._over, q, None, None)
+                    except Exception:
+                        log.exception("could not answer a pass")  # e.g. its event loop closed
             if not live:
                 continue
-            clock = host.begin()
-            outputs = self._forward(live)
-            split = clock.split()
-            stats = BatchStats(len(live), sum(q.p.num_tokens for q in live),
-                               (time.perf_counter() - clock.started) * 1000.0, split)
-            with self._ready:
-                ended, ids = time.perf_counter(), {id(q.p.session) for q in live}
-                self._recent = {sid: self._recent.get(sid) for sid in self._last | ids}
-                self._ended = {sid: ended if sid in ids else self._ended[sid] for sid in self._recent}
-                self._last, self._pass_ended = ids, ended
-            self.batch_wait_s = min(self.max_batch_wait_s, self.batch_wait_share * stats.ms / 1000.0)
-            log.debug("pass: %d sessions, %d tokens, %.0f ms, queued %d after", stats.sessions,
-                      stats.tokens, stats.ms, len(self._queue))
             try:
-                self.on_batch(stats)
-            except Exception:
-                log.exception("could not record a pass")  # metrics must never stop the worker
+                outputs, stats = self._tick(live)
+            except Exception as exc:  # a fault here fails its passes, never the worker
+                log.exception("a pass failed outside the model's forward")
+                outputs = [exc] * len(live)
+                stats = BatchStats(len(live), sum(q.p.num_tokens for q in live))
             for q, output in zip(live, outputs, strict=True):
                 try:
                     self._answer(q, output, stats)
                 except Exception:
                     log.exception("could not answer a pass")  # e.g. its event loop closed
+
+    def _tick(self, live: list[_Queued]) -> tuple[list[PassOutput | BaseException], BatchStats]:
+        """Run one pass of `live`, and record it."""
+        clock = host.begin()
+        outputs = self._forward(live)
+        split = clock.split()
+        stats = BatchStats(len(live), sum(q.p.num_tokens for q in live),
+                           (time.perf_counter() - clock.started) * 1000.0, split)
+        with self._ready:
+            ended, ids = time.perf_counter(), {id(q.p.session) for q in live}
+            self._recent = {sid: self._recent.get(sid) for sid in self._last | ids}
+            self._ended = {sid: ended if sid in ids else self._ended[sid] for sid in self._recent}
+            self._last, self._pass_ended = ids, ended
+        self.batch_wait_s = min(self.max_batch_wait_s, self.batch_wait_share * stats.ms / 1000.0)
+        log.debug("pass: %d sessions, %d tokens, %.0f ms, queued %d after", stats.sessions,
+                  stats.tokens, stats.ms, len(self._queue))
+        try:
+            self.on_batch(stats)
+        except Exception:
+            log.exception("could not record a pass")  # metrics must never stop the worker
+        return outputs, stats
 
     def _answer(self, q: _Queued, output: PassOutput | BaseException, stats: BatchStats) -> None:
         """Hand a pass's output back to its event loop, or go on with the run it belongs to."""

@@ -521,3 +521,26 @@ def test_a_cancelled_run_stops_and_leaves_its_session_free() -> None:
 
     asyncio.run(run())
     assert len(seen) < 1000  # stopped far short of its 10,000 passes
+
+
+def test_a_fault_around_the_forward_fails_its_pass_and_the_worker_goes_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found when a replica restarted with mismatched modules: the pass's split could not be
+    built, the error killed the forward worker, and the replica hung while it said SERVING.
+    A fault outside the model's forward now fails only the passes of that tick."""
+    model = llama()
+    scheduler = StepScheduler(max_sessions=4, max_tokens=64)
+    start(scheduler, model)
+    clocks = [batching.host.begin]
+
+    def broken_clock() -> batching.host.PassClock:
+        monkeypatch.setattr(batching.host, "begin", clocks[0])  # once
+        raise TypeError("a split that cannot be built")
+
+    async def run() -> None:
+        monkeypatch.setattr(batching.host, "begin", broken_clock)
+        with pytest.raises(TypeError, match="a split that cannot be built"):
+            await asyncio.wait_for(scheduler(Pass(KVSession("first", VOCAB), 0, (3, 4))), 10)
+        out = await asyncio.wait_for(scheduler(Pass(KVSession("next", VOCAB), 0, (3, 4))), 10)
+        assert torch.allclose(out.logits, full_pass(model, [3, 4])[-1:], atol=TOLERANCE)
+
+    asyncio.run(run())
