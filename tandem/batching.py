@@ -92,8 +92,8 @@ class Pass:
     with_hidden: bool = False  # the last hidden states at the same rows
     reduce: Reduce | None = None  # what the step reads of the logits (PassOutput.value)
     # A run of passes (a decode run): called on the forward worker with this pass's output, it
-    # names the session's next pass, queued first for the next tick under the same call, so
-    # the run goes on without a return to the event loop; None ends the run, and this output
+    # names the session's next pass, queued at once (behind passes already waiting, as any
+    # pass) under the same call, so the run goes on without a return to the event loop; None ends the run, and this output
     # answers the call. It must be quick and must not touch the event loop's state except
     # through `loop.call_soon_threadsafe`.
     then: Callable[[PassOutput], Pass | None] | None = None
@@ -549,7 +549,7 @@ class StepScheduler:
             q.loop.call_soon_threadsafe(self._over, q, output, None)
             return
         with self._ready:
-            self._queue.appendleft(_Queued(following, q.future, q.loop))
+            self._queue.append(_Queued(following, q.future, q.loop))
 
     @staticmethod
     def _account(session: KVSession, stats: BatchStats) -> None:

@@ -13,11 +13,14 @@ slot, each of its layers is a view of the slot's first `length` positions, exten
 per step (no copy). Anything else its cache meets (a batched pass, which appends a new tensor;
 a rollback, which cuts the view) keeps working as on any DynamicCache; the slot sees that its
 owner's layers no longer view it and copies the cache in again before its next captured step.
-A new owner first gives the old one its own copy. So the only copies are one per change of
-owner or of path, never one per token.
+A new owner first gives the old one its own copy, and takes the slot only while the old owner
+has a pass pending (its cache is the worker's then) or is gone: an owner between steps keeps
+the slot, and another session's pass runs uncaptured meanwhile. So the only copies are one
+per change of owner or of path, never one per token.
 
-At start-up (`warm`) the step is compiled and captured, and a probe checks it against the
-model's own forward: a step that does not reproduce it, or fails to compile, turns the path
+At start-up (`warm`) the step is compiled, and a probe checks it against the model's own
+forward (torch keeps CUDA graphs per thread: the forward worker records its own on its first
+captured passes, from the same compiled code): a step that does not reproduce it, or fails to compile, turns the path
 off, logged, and passes run as they do without it.
 """
 
@@ -47,8 +50,8 @@ def refusal(model: CausalLM, max_tokens: int) -> str | None:
     if len(set(getattr(config, "layer_types", None) or ())) > 1:
         return "its layers mix attention types"
     window = models.sliding_window(model)
-    if window is not None and window < max_tokens:
-        return f"its sliding window ({window}) is shorter than the slot ({max_tokens} tokens)"
+    if window is not None:  # the slot's mask is causal only, and a sliding static layer rolls its keys
+        return f"its attention has a sliding window ({window} tokens)"
     if getattr(model, "hf_device_map", None) and len(set(model.hf_device_map.values())) > 1:
         return "it is spread over several devices"
     return None
@@ -68,6 +71,7 @@ class DecodeGraph:
         self.position = torch.zeros((), dtype=torch.long, device=self.device)
         self.key_positions = torch.arange(max_tokens, device=self.device)
         self._owner: weakref.ref[DynamicCache] | None = None  # whose layers view the slot
+        self._owner_session: weakref.ref[KVSession] | None = None
         self._at = -1  # where the slot's position counters stand (-1: not known)
         step = self._step
         if compiled:
@@ -94,7 +98,21 @@ class DecodeGraph:
         return (p.then is not None and len(p.token_ids) == 1 and not p.segment.token_ids
                 and not p.with_hidden and p.logits_to_keep == 1 and 0 < p.cache_position < self.max_tokens
                 and isinstance(cache, DynamicCache) and len(cache.layers) == len(self.slots)
-                and all(getattr(layer, "is_initialized", True) for layer in cache.layers))
+                and all(getattr(layer, "is_initialized", True) for layer in cache.layers)
+                and self._free_for(p.session))
+
+    def _free_for(self, session: KVSession) -> bool:
+        """Whether `session` may have the slot: it owns it, or the owner's cache may be touched
+        here (a pass of it pending, or its stream over). An owner with no pass pending is
+        between steps: its cache is the event loop's then (a step may cut it), so the slot stays
+        its own and `session` runs uncaptured."""
+        owner = self._owner_session() if self._owner_session is not None else None
+        cache: Any = self._owner() if self._owner is not None else None
+        if owner is None or owner is session or cache is None or owner.cache is not cache or owner.pending \
+                or owner.closed:
+            return True
+        return not any(mine.keys.data_ptr() == slot.keys.data_ptr() or mine.values.data_ptr() == slot.values.data_ptr()
+                       for mine, slot in zip(cache.layers, self.slots, strict=True))
 
     @torch.inference_mode()
     def run(self, p: Pass) -> PassOutput:
@@ -102,7 +120,7 @@ class DecodeGraph:
         session.extend(p.cache_position, p.token_ids)
         n, layers = session.length, list(session.cache.layers)
         if self._owner is None or self._owner() is not session.cache or not self._viewed(layers, n):
-            self._load(session.cache, n)
+            self._load(session, n)
         if self._at != n:
             for layer in self.slots:
                 layer.cumulative_length.fill_(n)
@@ -122,9 +140,11 @@ class DecodeGraph:
         return all(mine.keys.data_ptr() == slot.keys.data_ptr() and mine.values.data_ptr() == slot.values.data_ptr()
                    and mine.keys.shape[-2] == n for mine, slot in zip(layers, self.slots, strict=True))
 
-    def _load(self, cache: Any, n: int) -> None:
-        """Make `cache` the slot's owner: copy its n positions in, and view them from then on."""
+    def _load(self, session: KVSession, n: int) -> None:
+        """Make `session` the slot's owner: copy its cache's n positions in, and view them from
+        then on."""
         self.release()
+        cache = session.cache
         for mine, slot in zip(cache.layers, self.slots, strict=True):
             if not slot.is_initialized:
                 slot.lazy_initialization(mine.keys, mine.values)
@@ -133,10 +153,11 @@ class DecodeGraph:
             if mine.values.data_ptr() != slot.values.data_ptr():
                 slot.values[:, :, :n].copy_(mine.values)
             mine.keys, mine.values = slot.keys[:, :, :n], slot.values[:, :, :n]
-        self._owner, self._at = weakref.ref(cache), -1
+        self._owner, self._owner_session, self._at = weakref.ref(cache), weakref.ref(session), -1
 
     def release(self) -> None:
-        """The owner's layers get copies of their own: the slot is free for another session."""
+        """The owner's layers get copies of their own: the slot is free for another session.
+        Called on the worker only while the owner has a pass pending, or is gone (`_free_for`)."""
         owner: Any = self._owner() if self._owner is not None else None
         if owner is not None:
             for mine, slot in zip(owner.layers, self.slots, strict=True):
@@ -144,7 +165,7 @@ class DecodeGraph:
                     mine.keys = mine.keys.clone()
                 if mine.values.data_ptr() == slot.values.data_ptr():
                     mine.values = mine.values.clone()
-        self._owner = None
+        self._owner = self._owner_session = None
 
     def warm(self, steps: int = 3) -> str | None:
         """Compile and capture the step on a scratch session, and check it against the model's
@@ -184,7 +205,9 @@ def build(model: CausalLM, mode: str, max_tokens: int, device: str) -> DecodeGra
     tokens = min(max_tokens, models.max_context_tokens(model) or max_tokens)
     why = refusal(model, tokens)
     graph = DecodeGraph(model, tokens, compiled=mode == COMPILE) if why is None else None
-    if graph is not None:
+    if graph is not None and any(getattr(slot, "is_sliding", False) for slot in graph.slots):
+        why = "transformers builds its static cache with sliding-window layers"
+    elif graph is not None:
         why = graph.warm()
     if graph is None or why is not None:
         log.warning("decode runs' one-token passes run uncaptured: %s", why)

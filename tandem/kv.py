@@ -82,6 +82,7 @@ class KVSession:
     split: PassSplit = NO_SPLIT
     in_step: bool = False  # a step of it is under way: it is not evicted
     evicted: bool = False
+    closed: bool = False  # its stream ended (SessionTable.close): no step will touch it again
     # The token ids whose KV the cache holds: the first `length` of them (passes record them).
     token_ids: list[int] = field(default_factory=list)
     # Passes submitted to the scheduler and not yet over (run or skipped); 0: the cache is
@@ -236,8 +237,10 @@ def fork_cache(cache: Any, length: int) -> Any:
     """A copy of `cache` cut to its first `length` tokens; the original is left as it is."""
     if not isinstance(cache, DynamicCache):
         return cache.fork(length)  # an engine's own copy (tandem.llama.SeqCache.fork)
-    # The layers' tensors are shared, not copied: a cache only ever cuts (a view) or appends
-    # (a new tensor), never writes in place, so neither side sees the other's changes.
+    # The layers' tensors are shared, not copied: a draft's cache only ever cuts (a view) or
+    # appends (a new tensor), never writes in place, so neither side sees the other's changes.
+    # (A target's layers may view the decode graph's slot, which is written in place: drafts
+    # only are forked.)
     branch = copy.copy(cache)
     branch.layers = [copy.copy(layer) for layer in cache.layers]
     if length < branch.get_seq_length():
@@ -373,7 +376,9 @@ class SessionTable:
         self.changed()
 
     def close(self, handle: int) -> None:
-        self._sessions.pop(handle, None)
+        session = self._sessions.pop(handle, None)
+        if session is not None:
+            session.closed = True
         self.changed()
 
 

@@ -544,3 +544,26 @@ def test_a_fault_around_the_forward_fails_its_pass_and_the_worker_goes_on(monkey
         assert torch.allclose(out.logits, full_pass(model, [3, 4])[-1:], atol=TOLERANCE)
 
     asyncio.run(run())
+
+
+def test_a_run_takes_turns_with_other_sessions_when_a_pass_serves_one() -> None:
+    """With one session a pass, a run's next pass queues behind those already waiting: a
+    plain step waits one pass, not for the run to end."""
+    model = llama()
+    seen: list[batching.BatchStats] = []
+    scheduler = StepScheduler(max_sessions=1, max_tokens=64, on_batch=seen.append)
+    start(scheduler, model)
+    tokens: list[int] = []
+    runs = 0
+
+    async def both() -> None:
+        nonlocal runs
+        run = asyncio.ensure_future(scheduler(chained(KVSession("run", VOCAB), [3, 4, 5], 40, tokens, set())))
+        while len(tokens) < 2:
+            await asyncio.sleep(0.001)
+        await scheduler(Pass(KVSession("plain", VOCAB), 0, (6, 7)))
+        runs = len(tokens)
+        await run
+
+    asyncio.run(both())
+    assert runs < 10, f"the plain step waited for {runs} of the run's 40 passes"

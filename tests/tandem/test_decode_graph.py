@@ -16,7 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralFo
 from tandem import batching, decode_graph
 from tandem.batching import Pass, PassOutput, StepScheduler
 from tandem.decode_graph import DecodeGraph
-from tandem.kv import KVSession
+from tandem.kv import KVSession, SessionTable
 
 VOCAB = 40
 TOLERANCE = 1e-4
@@ -137,13 +137,43 @@ def test_a_rollback_and_a_second_owner_keep_every_cache_exact() -> None:
         # a again, rolled back to 10 tokens: from its own cache, wherever that now lives.
         again = await decode(scheduler, a, 10, (tokens[7],), 20)
         check(model, [3, 4, 5, *tokens[:8]], again)
-        assert views_slot(a, graph)
         # b, whose cache the slot gave back, goes on exactly.
         held = [9, 8, *(int(r.argmax()) for r in other)][:b.length]
         out = await scheduler(Pass(b, b.length, (7,)))
         assert torch.allclose(out.logits[-1], full_pass(model, [*held, 7])[-1], atol=TOLERANCE)
 
     asyncio.run(run())
+
+
+def test_an_owner_between_steps_keeps_the_slot() -> None:
+    """Between its steps a session's cache is the event loop's (a step may cut it): another
+    session's run does not take the slot from it then, but runs uncaptured; once the owner is
+    gone, the slot is the next run's."""
+    model = llama()
+    graph = DecodeGraph(model, 128, compiled=False)
+    seen: list[batching.BatchStats] = []
+    scheduler = scheduler_on(model, graph, seen=seen)
+    table = SessionTable(max_sessions=4)
+    handle, a = table.open("a", VOCAB)
+    b = KVSession("b", VOCAB)
+
+    async def run() -> None:
+        check(model, [3, 4, 5], await decode(scheduler, a, 0, (3, 4, 5), 10))
+        seen.clear()
+        check(model, [9, 8], await decode(scheduler, b, 0, (9, 8), 10))
+        assert views_slot(a, graph) and not views_slot(b, graph)
+        assert sum(s.split.captured for s in seen) == 0
+        a.rollback(6)  # on the event loop, as a step would
+        assert a.length == 6
+        again = await decode(scheduler, a, 6, (7,), 10)
+        check(model, [*a.token_ids[:6], 7], again)
+        assert views_slot(a, graph)
+
+    asyncio.run(run())
+    table.close(handle)  # the owner's stream ended
+    c = KVSession("c", VOCAB)
+    check(model, [2, 2], asyncio.run(decode(scheduler, c, 0, (2, 2), 10)))
+    assert views_slot(c, graph)
 
 
 def test_a_session_longer_than_the_slot_goes_on_uncaptured() -> None:
@@ -161,12 +191,14 @@ def test_the_start_up_probe_passes_a_model_the_slot_reproduces() -> None:
 
 
 def test_the_slot_is_refused_where_it_would_not_be_exact(caplog: pytest.LogCaptureFixture) -> None:
-    """A sliding window shorter than the slot: the slot's mask is causal only."""
+    """A sliding window, shorter than the slot or not: the slot's mask is causal only, and
+    transformers' sliding static layers roll their keys once full."""
     torch.manual_seed(0)
-    model = MistralForCausalLM(MistralConfig(**SMALL, sliding_window=8)).eval()
-    with caplog.at_level(logging.WARNING):
-        assert decode_graph.build(model, decode_graph.EAGER, 64, "cpu") is None
-    assert "sliding window (8) is shorter than the slot" in caplog.text
+    for window in (8, 64):
+        model = MistralForCausalLM(MistralConfig(**SMALL, sliding_window=window)).eval()
+        with caplog.at_level(logging.WARNING):
+            assert decode_graph.build(model, decode_graph.EAGER, 64, "cpu") is None
+        assert f"its attention has a sliding window ({window} tokens)" in caplog.text
     assert decode_graph.build(llama(), decode_graph.AUTO, 64, "cpu") is None  # auto: off on a CPU
     with pytest.raises(ValueError, match="--decode-graph must be one of"):
         decode_graph.build(llama(), "graphs", 64, "cpu")
