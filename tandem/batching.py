@@ -247,15 +247,22 @@ def batching_refusal(model: CausalLM) -> str | None:
                  single(model, Pass(KVSession("d", vocab), 0, (2, 1, 3, 3), 2))]
     except Exception as exc:  # noqa: BLE001 - any failure means: do not batch this model
         return f"a batched probe pass failed ({type(exc).__name__}: {exc})"
-    # Probabilities, to a tolerance of the dtype's rounding: a pass over more tokens rounds
-    # differently, a leak across sessions or a lost position moves them by far more.
-    tolerance = 1e-4 if model.get_input_embeddings().weight.dtype == torch.float32 else 2e-2
     for got, want in zip(together, alone, strict=True):
-        moved = float((torch.softmax(got.logits.float(), -1) - torch.softmax(want.logits.float(), -1)).abs().max())
-        if moved > tolerance:
+        moved = probe_moved(got.logits, want.logits)
+        if moved is not None:
             return (f"a batched probe pass did not reproduce the sessions' own probabilities "
                     f"(moved by {moved:.2g})")
     return None
+
+
+def probe_moved(got: torch.Tensor, want: torch.Tensor) -> float | None:
+    """How far a start-up probe's probabilities moved from the model's own forward, where that
+    is past the dtype's rounding (None: within it). A pass over more tokens, or over a longer
+    masked cache, rounds differently; a leak across sessions or a lost position moves them by
+    far more."""
+    tolerance = 1e-4 if want.dtype == torch.float32 else 2e-2
+    moved = float((torch.softmax(got.float(), -1) - torch.softmax(want.float(), -1)).abs().max())
+    return moved if moved > tolerance else None
 
 
 class Runner(Protocol):

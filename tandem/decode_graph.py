@@ -34,7 +34,7 @@ import torch
 from transformers import DynamicCache, StaticCache
 
 from tandem import host, models
-from tandem.batching import Pass, PassOutput, finish, single
+from tandem.batching import Pass, PassOutput, finish, probe_moved, single
 from tandem.kv import KVSession
 from tandem.lm import CausalLM
 
@@ -101,6 +101,11 @@ class DecodeGraph:
                 and all(getattr(layer, "is_initialized", True) for layer in cache.layers)
                 and self._free_for(p.session))
 
+    @staticmethod
+    def _shares(mine: Any, slot: Any) -> tuple[bool, bool]:
+        """Whether a session's layer keys, values are (views of) the slot layer's."""
+        return mine.keys.data_ptr() == slot.keys.data_ptr(), mine.values.data_ptr() == slot.values.data_ptr()
+
     def _free_for(self, session: KVSession) -> bool:
         """Whether `session` may have the slot: it owns it, or the owner's cache may be touched
         here (a pass of it pending, or its stream over). An owner with no pass pending is
@@ -111,8 +116,7 @@ class DecodeGraph:
         if owner is None or owner is session or cache is None or owner.cache is not cache or owner.pending \
                 or owner.closed:
             return True
-        return not any(mine.keys.data_ptr() == slot.keys.data_ptr() or mine.values.data_ptr() == slot.values.data_ptr()
-                       for mine, slot in zip(cache.layers, self.slots, strict=True))
+        return not any(any(self._shares(mine, slot)) for mine, slot in zip(cache.layers, self.slots, strict=True))
 
     @torch.inference_mode()
     def run(self, p: Pass) -> PassOutput:
@@ -137,8 +141,8 @@ class DecodeGraph:
 
     def _viewed(self, layers: list[Any], n: int) -> bool:
         """Whether the owner's layers still view the slot's first n positions."""
-        return all(mine.keys.data_ptr() == slot.keys.data_ptr() and mine.values.data_ptr() == slot.values.data_ptr()
-                   and mine.keys.shape[-2] == n for mine, slot in zip(layers, self.slots, strict=True))
+        return all(all(self._shares(mine, slot)) and mine.keys.shape[-2] == n
+                   for mine, slot in zip(layers, self.slots, strict=True))
 
     def _load(self, session: KVSession, n: int) -> None:
         """Make `session` the slot's owner: copy its cache's n positions in, and view them from
@@ -148,9 +152,10 @@ class DecodeGraph:
         for mine, slot in zip(cache.layers, self.slots, strict=True):
             if not slot.is_initialized:
                 slot.lazy_initialization(mine.keys, mine.values)
-            if mine.keys.data_ptr() != slot.keys.data_ptr():
+            keys, values = self._shares(mine, slot)
+            if not keys:
                 slot.keys[:, :, :n].copy_(mine.keys)
-            if mine.values.data_ptr() != slot.values.data_ptr():
+            if not values:
                 slot.values[:, :, :n].copy_(mine.values)
             mine.keys, mine.values = slot.keys[:, :, :n], slot.values[:, :, :n]
         self._owner, self._owner_session, self._at = weakref.ref(cache), weakref.ref(session), -1
@@ -161,9 +166,10 @@ class DecodeGraph:
         owner: Any = self._owner() if self._owner is not None else None
         if owner is not None:
             for mine, slot in zip(owner.layers, self.slots, strict=True):
-                if mine.keys.data_ptr() == slot.keys.data_ptr():
+                keys, values = self._shares(mine, slot)
+                if keys:
                     mine.keys = mine.keys.clone()
-                if mine.values.data_ptr() == slot.values.data_ptr():
+                if values:
                     mine.values = mine.values.clone()
         self._owner = self._owner_session = None
 
@@ -183,9 +189,8 @@ class DecodeGraph:
             for i, token in enumerate(tokens):
                 got = self.run(Pass(captured, len(prompt) + i, (token,), then=then)).logits
                 want = single(self.model, Pass(plain, len(prompt) + i, (token,))).logits
-                tolerance = 1e-4 if self.dtype == torch.float32 else 2e-2
-                moved = float((torch.softmax(got.float(), -1) - torch.softmax(want.float(), -1)).abs().max())
-                if moved > tolerance:
+                moved = probe_moved(got, want)
+                if moved is not None:
                     return f"its step did not reproduce the model's own forward (moved by {moved:.2g})"
         except Exception as exc:  # noqa: BLE001 - any failure means: do not use the slot
             return f"its step failed ({type(exc).__name__}: {exc})"
