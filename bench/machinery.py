@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from bench import tiny
-from tandem import batching, host, models, sampling, split
+from tandem import batching, head, host, models, sampling, split
 from tandem.kv import KVSession
 
 SETTINGS = {"greedy": sampling.SamplingParams(),
@@ -47,11 +47,15 @@ def measure(runner: batching.Runner, vocab: int, sessions: int, k: int, context:
             block = list(ids(k))
             dists = [sampling.SparseDistribution((t,), (1.0,)) for t in block]
 
-            def score(logits: torch.Tensor, hidden: torch.Tensor | None,
-                      block: list[int] = block, dists: list[sampling.SparseDistribution] = dists) -> Any:
-                return sampling.score_logits(logits, params, block, dists, 0)
+            def score(out: batching.PassOutput, block: list[int] = block,
+                      dists: list[sampling.SparseDistribution] = dists) -> Any:
+                if out.best is not None:
+                    return sampling.score_greedy(out.best, block)
+                assert out.logits is not None
+                return sampling.score_logits(out.logits, params, block, dists, 0)
 
-            passes.append(batching.Pass(s, context, (*ids(1), *block), logits_to_keep=k + 1, reduce=score))
+            passes.append(batching.Pass(s, context, (*ids(1), *block), logits_to_keep=k + 1,
+                                        greedy=params.greedy, reduce=score))
         clock = host.begin()
         if sessions == 1:
             runner.single(passes[0])
@@ -73,13 +77,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--k", type=int, default=4, help="drafted tokens each session scores")
     parser.add_argument("--settings", default="greedy,t1-top-p")
     parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--vocab-slice-bytes", type=int, default=head.SLICE_BYTES,
+                        help="as the target service's option (0: through the whole head's logits)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     path = args.model or str(tiny.make_model(Path(tempfile.mkdtemp()) / "wide", seed=1, hidden=64,
                                              vocab_size=151_936))
     model: Any = models.load_model(path, models.Placement("cpu", "float32"))
     batching.use_batched_attention(model)
-    runner, vocab = batching.TorchRunner(model), models.logits_width(model)
+    vocab = models.logits_width(model)
+    runner = batching.TorchRunner(model, head=head.install(model, args.vocab_slice_bytes) if args.vocab_slice_bytes else None)
     print(f"{args.model or 'tiny random model, 152k vocabulary'}; {args.threads} thread(s); each "
           f"session scores {args.k} drafted tokens after {args.context} cached\n")
     print("| setting | sessions | host before ms | forward ms | host after ms | host ms per session "

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem import sampling
-from tandem.batching import Forward, Pass
+from tandem.batching import Forward, Pass, PassOutput
 from tandem.kv import KVSession, fork_cache
 
 
@@ -100,7 +100,9 @@ class Drafter:
         state.positions = {p: d for p, d in state.positions.items() if p <= keep}
         params, support = self.params, self.max_support_size
 
-        def read(logits: torch.Tensor, hidden: torch.Tensor | None) -> Position:
+        def read(out: PassOutput) -> Position:
+            assert out.logits is not None
+            logits = out.logits
             return Position(sampling.draft_distribution(logits[0], params, support),
                             tuple(sampling.top_tokens(logits[0], RANKED)))
 

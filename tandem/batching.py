@@ -33,7 +33,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import torch
@@ -41,7 +41,7 @@ from transformers import AttentionInterface, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from tandem import host, models
+from tandem import host, models, sampling
 from tandem.kv import KVSession, Segment, SessionTable, tree_segment
 from tandem.lm import BatchCache, CausalLM, Layout, Rows
 from tandem.split import NO_SPLIT, PassSplit
@@ -75,9 +75,9 @@ def awaited(away_s: dict[int, float | None], queued: set[int], budget_s: float) 
 
 
 #: What a step reads from its pass, run on the worker right after the forward, where the
-#: logits are (the model's device): (logits [rows, vocab], hidden [rows, h] or None) -> the few
-#: values the step needs, read to the host through `host.values` / `host.to_host`.
-Reduce = Callable[[torch.Tensor, torch.Tensor | None], Any]
+#: logits are (the model's device): the pass's `PassOutput` -> the few values the step needs,
+#: read to the host through `host.values` / `host.to_host`.
+Reduce = Callable[["PassOutput"], Any]
 
 
 @dataclass(frozen=True, eq=False)
@@ -90,6 +90,9 @@ class Pass:
     logits_to_keep: int = 1  # the last rows over token_ids (then every segment row)
     segment: Segment = EMPTY_SEGMENT  # [t] scored after token_ids, then forgotten
     with_hidden: bool = False  # the last hidden states at the same rows
+    # The step reads each kept row's argmax alone (`PassOutput.best`): a runner whose head reads
+    # it slice by slice (tandem.head) then keeps no logits (`PassOutput.logits` is None).
+    greedy: bool = False
     reduce: Reduce | None = None  # what the step reads of the logits (PassOutput.value)
     # A run of passes (a decode run): called on the forward worker with this pass's output, it
     # names the session's next pass, queued at once (behind passes already waiting, as any
@@ -105,14 +108,23 @@ class Pass:
 
 @dataclass(frozen=True)
 class PassOutput:
-    logits: torch.Tensor  # [logits_to_keep + t, vocab], on the model's device, in its dtype
+    # [logits_to_keep + t, vocab], on the model's device, in its dtype; None for a greedy pass
+    # whose runner read the argmax inside the head
+    logits: torch.Tensor | None
     hidden: torch.Tensor | None  # [logits_to_keep + t, hidden], likewise
+    best: torch.Tensor | None = None  # a greedy pass's argmax of each row [rows], on the device
     value: Any = None  # what the pass's `reduce` returned (None without one)
 
 
-def finish(p: Pass, logits: torch.Tensor, hidden: torch.Tensor | None) -> PassOutput:
-    """A pass's output: its rows, and what its step reads of them (`Pass.reduce`)."""
-    return PassOutput(logits, hidden, p.reduce(logits, hidden) if p.reduce is not None else None)
+def finish(p: Pass, logits: torch.Tensor | None, hidden: torch.Tensor | None,
+           best: torch.Tensor | None = None) -> PassOutput:
+    """A pass's output: its rows (or, greedy, their argmax), and what its step reads of them
+    (`Pass.reduce`)."""
+    if p.greedy and best is None:
+        assert logits is not None
+        best = sampling.argmax(logits.to(torch.float32))
+    out = PassOutput(logits, hidden, best)
+    return replace(out, value=p.reduce(out)) if p.reduce is not None else out
 
 
 #: How a service runs a pass: the host's scheduler, or `direct` in tests and tools.
@@ -158,10 +170,13 @@ def use_batched_attention(model: CausalLM) -> None:
     model.set_attn_implementation(BATCHED_ATTENTION)
 
 
-def single(model: CausalLM, p: Pass) -> PassOutput:
-    """A pass on its own: the per-session forward, with the model's own mask."""
+def single(model: CausalLM, p: Pass, head: Any = None) -> PassOutput:
+    """A pass on its own: the per-session forward, with the model's own mask. `head`: the
+    model's `tandem.head.VocabChunks`, where installed."""
     p.session.extend(p.cache_position, p.token_ids)
     if not p.segment.token_ids and not p.with_hidden:
+        if p.greedy and head is not None:
+            return finish(p, None, None, p.session.forward_best(model, head, list(p.token_ids), p.logits_to_keep))
         return finish(p, p.session.forward(model, list(p.token_ids), p.logits_to_keep), None)
     assert p.logits_to_keep == 1, "a pass with a segment or hidden states keeps one history row"
     logits, hidden = p.session.forward_segment(model, list(p.token_ids), p.segment, p.with_hidden)
@@ -170,12 +185,14 @@ def single(model: CausalLM, p: Pass) -> PassOutput:
 
 @torch.inference_mode()
 def batched(model: CausalLM, passes: list[Pass], window: int | None,
-            buckets: tuple[int, ...] = ()) -> list[PassOutput]:
+            buckets: tuple[int, ...] = (), head: Any = None) -> list[PassOutput]:
     """Several sessions' passes as one forward (see the module docstring).
 
     With `buckets`, the row is padded up to the smallest bucket that holds it, so that a
     GPU sees a few shapes only (CUDA graphs are captured per shape): the padding tokens are
     a scratch session of their own, with a scratch cache, and no logits are kept for them.
+    With `head` (the model's `tandem.head.VocabChunks`) and a greedy pass among them, the
+    decoder runs alone and each pass's rows go through the head as the pass reads them.
     """
     device = model.get_input_embeddings().weight.device
     ids: list[int] = []
@@ -201,20 +218,30 @@ def batched(model: CausalLM, passes: list[Pass], window: int | None,
         caches.append(DynamicCache())
     batch = BatchCache(caches, Layout(tuple(layout), window))
     with_hidden = any(p.with_hidden for p in passes)
+    sliced = head is not None and not with_hidden and any(p.greedy for p in passes)
+    spans: list[tuple[int, int]] = []
+    for p in passes:
+        start = spans[-1][1] if spans else 0
+        spans.append((start, start + p.logits_to_keep + len(p.segment.token_ids)))
+    inputs = {"input_ids": torch.tensor([ids], device=device),
+              "position_ids": torch.tensor([positions], device=device), **batch.call_kwargs(device)}
+    read: list[tuple[torch.Tensor | None, torch.Tensor | None]] = []  # (logits, best) of each pass
     with host.forward(device):
-        out = model(input_ids=torch.tensor([ids], device=device), position_ids=torch.tensor([positions], device=device),
-                    output_hidden_states=with_hidden, logits_to_keep=torch.tensor(kept, device=device),
-                    **batch.call_kwargs(device))
-    logits = out.logits[0]  # [len(kept), vocab], on the device
+        if sliced:
+            states = model.get_decoder()(**inputs).last_hidden_state[0, kept]  # [len(kept), hidden]
+            read = _read_sliced(head, states, passes, spans)
+        else:
+            out = model(output_hidden_states=with_hidden, logits_to_keep=torch.tensor(kept, device=device), **inputs)
+    if not sliced:
+        logits = out.logits[0]  # [len(kept), vocab], on the device
+        read = [(logits[a:b], None) for a, b in spans]
     hidden = out.hidden_states[-1][0, kept] if with_hidden else None
-    outputs, start = [], 0
-    for p, rows in zip(passes, layout[:len(passes)], strict=True):
-        end = start + p.logits_to_keep + len(p.segment.token_ids)
+    outputs = []
+    for p, rows, (a, b), (rows_logits, best) in zip(passes, layout[:len(passes)], spans, read, strict=True):
         if p.segment.token_ids:  # the segment sat at tree positions: forget it
             p.session.rollback(rows.cached + rows.new)
-        outputs.append(finish(p, logits[start:end], hidden[start:end] if p.with_hidden and hidden is not None
-                              else None))
-        start = end
+        outputs.append(finish(p, rows_logits, hidden[a:b] if p.with_hidden and hidden is not None else None,
+                              best))
     return outputs
 
 
@@ -223,6 +250,30 @@ def direct(model: CausalLM) -> Forward:
     async def forward(p: Pass) -> PassOutput:
         return single(model, p)
     return forward
+
+
+def _read_sliced(head: Any, states: torch.Tensor, passes: list[Pass],
+                 spans: list[tuple[int, int]]) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
+    """(logits, best) of each pass from its kept rows' hidden states: every greedy pass's rows
+    through one sliced argmax (the head's weight read once for them all), the other passes'
+    rows through the whole head."""
+    def rows(greedy: bool) -> list[int]:
+        return [i for p, (a, b) in zip(passes, spans, strict=True) if p.greedy == greedy for i in range(a, b)]
+    greedy_rows, other_rows = rows(True), rows(False)
+    best = head.argmax(states[greedy_rows]) if greedy_rows else None
+    logits = head(states[other_rows]) if other_rows else None
+    read: list[tuple[torch.Tensor | None, torch.Tensor | None]] = []
+    at = {True: 0, False: 0}
+    for p, (a, b) in zip(passes, spans, strict=True):
+        n, start = b - a, at[p.greedy]
+        at[p.greedy] += n
+        if p.greedy:
+            assert best is not None
+            read.append((None, best[start:start + n]))
+        else:
+            assert logits is not None
+            read.append((logits[start:start + n], None))
+    return read
 
 
 def batching_refusal(model: CausalLM) -> str | None:
@@ -255,11 +306,12 @@ def batching_refusal(model: CausalLM) -> str | None:
     return None
 
 
-def probe_moved(got: torch.Tensor, want: torch.Tensor) -> float | None:
+def probe_moved(got: torch.Tensor | None, want: torch.Tensor | None) -> float | None:
     """How far a start-up probe's probabilities moved from the model's own forward, where that
     is past the dtype's rounding (None: within it). A pass over more tokens, or over a longer
     masked cache, rounds differently; a leak across sessions or a lost position moves them by
-    far more."""
+    far more. (A probe's passes keep their logits: none is greedy.)"""
+    assert got is not None and want is not None
     tolerance = 1e-4 if want.dtype == torch.float32 else 2e-2
     moved = float((torch.softmax(got.float(), -1) - torch.softmax(want.float(), -1)).abs().max())
     return moved if moved > tolerance else None
@@ -289,14 +341,16 @@ class TorchRunner:
     model: CausalLM
     # A decode run's one-token passes alone, through a static slot (tandem.decode_graph.DecodeGraph).
     decode: Any = None
+    # The model's head read slice by slice, for greedy passes (tandem.head.VocabChunks).
+    head: Any = None
 
     def single(self, p: Pass) -> PassOutput:
         if self.decode is not None and self.decode.fits(p):
             return self.decode.run(p)  # type: ignore[no-any-return]
-        return single(self.model, p)
+        return single(self.model, p, self.head)
 
     def batched(self, passes: list[Pass], buckets: tuple[int, ...]) -> list[PassOutput]:
-        return batched(self.model, passes, models.sliding_window(self.model), buckets)
+        return batched(self.model, passes, models.sliding_window(self.model), buckets, self.head)
 
     def cut(self, session: KVSession, length: int) -> None:
         _cut(session.cache, length)

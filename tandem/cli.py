@@ -111,6 +111,9 @@ def _serve_model(args: argparse.Namespace, label: str) -> None:
     if cfg.decode_graph not in decode_graph.MODES or cfg.decode_graph_tokens < 1:
         sys.exit(f"{label}: --decode-graph must be one of {', '.join(decode_graph.MODES)}, and "
                  "--decode-graph-tokens at least 1")
+    if cfg.vocab_slice_bytes < 0:
+        sys.exit(f"{label}: --vocab-slice-bytes must be >= 0 (0: through the whole head's logits), "
+                 f"got {cfg.vocab_slice_bytes}")
     if cfg.max_batch_sessions < 1 or cfg.max_batch_tokens < 1:
         sys.exit(f"{label}: --max-batch-sessions and --max-batch-tokens must be >= 1")
     top = _tensor_parallel(cfg, label)

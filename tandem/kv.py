@@ -204,6 +204,17 @@ class KVSession:
         return logits
 
     @torch.inference_mode()
+    def forward_best(self, model: CausalLM, head: Any, token_ids: list[int], rows: int) -> torch.Tensor:
+        """`forward`, reading only the argmax id of each of the last `rows` rows [rows] (on the
+        model's device), through the model's decoder and `head` (tandem.head.VocabChunks)."""
+        device = model.get_input_embeddings().weight.device
+        ids = torch.tensor([token_ids], dtype=torch.long, device=device)
+        with host.forward(device):
+            states = model.get_decoder()(input_ids=ids, cache=self.cache, use_cache=True).last_hidden_state
+            best: torch.Tensor = head.argmax(states[0, -rows:])
+        return best
+
+    @torch.inference_mode()
     def forward_segment(self, model: CausalLM, token_ids: list[int], segment: Segment,
                         with_hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Append token_ids (history), score `segment` after them in the same pass, forget the segment.

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import torch
 from transformers import AutoConfig, AutoTokenizer, DynamicCache
 
-from tandem import batching, decode_graph, llama, matmul, models, parallel, topology
+from tandem import batching, decode_graph, head, llama, matmul, models, parallel, topology
 from tandem.config import option
 from tandem.errors import BudgetHeld, InvalidRequest, Unavailable
 from tandem.kv import KVSession, SessionTable
@@ -98,6 +98,10 @@ class ModelServiceConfig(ServerSecurityConfig):
                                "(the same step uncompiled), off, or auto: compile on cuda, else off")
     decode_graph_tokens: int = option(4096, "target only: positions in the decode graph's static KV "
                                       "slot (passes of longer sessions run uncaptured)")
+    vocab_slice_bytes: int = option(1 << 20, "target only, on a CPU: a greedy pass reads each row's "
+                                    "argmax from its output projection one slice of the vocabulary "
+                                    "at a time, each slice this many bytes of logits, never holding "
+                                    "the whole row (0: through the whole head's logits)")
     tensor_parallel_size: int = option(1, "shard the model over N ranks with torch.distributed "
                                        "(gloo on CPU, NCCL on CUDA, one GPU per rank); rank 0 "
                                        "serves. Without --tp-rank (or torchrun's RANK), rank 0 "
@@ -161,7 +165,8 @@ class ModelHost:
         self.matmul_path = matmul.DEFAULT
         self.new_cache: Callable[[], Any] = DynamicCache  # a session's empty cache
         self.quantized = ""  # what --quantize (auto: the timing) chose
-        self.serves_decode_runs = False  # a target's host: --decode-graph applies
+        self.serves_decode_runs = False  # a target's host: --decode-graph and the sliced head apply
+        self.head: head.VocabChunks | None = None
         self.metrics = ReplicaMetrics.for_model(config.model, config.max_sessions)
         self.scheduler = batching.StepScheduler(
             config.max_batch_sessions, config.max_batch_tokens,
@@ -210,6 +215,8 @@ class ModelHost:
             self.batch_refusal = batching.batching_refusal(model)
             model = models.quantize(model, replace(placement, quantize=quantize))
         self.quantized = quantize
+        if self.serves_decode_runs and group is None and placement.device_map is None and cfg.vocab_slice_bytes:
+            self.head = head.install(model, cfg.vocab_slice_bytes)  # a head oneDNN packed stays whole
         if group is not None:
             group.loaded(cfg.tp_start_timeout_s)  # health stays NOT_SERVING until every rank has
         return model, dtype, group
@@ -246,7 +253,7 @@ class ModelHost:
         )
         self.tokenizer = tokenizer
         refusal = self.batch_refusal if self.quantized else batching.batching_refusal(model)
-        runner = batching.TorchRunner(model)
+        runner = batching.TorchRunner(model, head=self.head)
         self.scheduler.start(runner, refusal)
         if self.serves_decode_runs and group is None and not self.quantized:
             # Compiled with the scheduler's hooks on the layers, as it will run.

@@ -266,12 +266,16 @@ def score_logits(
     each row's argmax: p is one-hot there, so p(x_i) is 1 or 0 and every recovered and bonus
     draw is the argmax, which is what the one-hot rows give, without building them."""
     if params.greedy:
-        best = host.values(argmax(logits))
-        return ScoredBlock(
-            target_probs=tuple(1.0 if best[i] == x else 0.0 for i, x in enumerate(draft_token_ids)),
-            recovered_token_ids=tuple(best[:-1]), bonus_token_id=best[-1])
+        return score_greedy(argmax(logits), draft_token_ids)
     return score_block(probabilities(logits, params), draft_token_ids, draft_distributions,
                        generator(seed, logits.device))
+
+
+def score_greedy(best: torch.Tensor, draft_token_ids: list[int]) -> ScoredBlock:
+    """`score_logits` under greedy decoding, from each row's argmax [k+1] alone."""
+    ids = host.values(best)
+    return ScoredBlock(target_probs=tuple(1.0 if ids[i] == x else 0.0 for i, x in enumerate(draft_token_ids)),
+                       recovered_token_ids=tuple(ids[:-1]), bonus_token_id=ids[-1])
 
 
 def num_accepted(

@@ -9,8 +9,6 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from tandem import sampling
 from tandem.batching import Forward, Pass, PassOutput
 from tandem.kv import KVSession
@@ -47,11 +45,14 @@ async def score_block(
     """
     k = len(draft_token_ids)
 
-    def score(logits: torch.Tensor, hidden: torch.Tensor | None) -> sampling.ScoredBlock:
-        return sampling.score_logits(logits, params, draft_token_ids, draft_distributions, seed)
+    def score(out: PassOutput) -> sampling.ScoredBlock:
+        if out.best is not None:
+            return sampling.score_greedy(out.best, draft_token_ids)
+        assert out.logits is not None
+        return sampling.score_logits(out.logits, params, draft_token_ids, draft_distributions, seed)
 
     out = await forward(Pass(session, step.cache_position, (*step.new_token_ids, *draft_token_ids),
-                             logits_to_keep=k + 1, reduce=score))
+                             logits_to_keep=k + 1, greedy=params.greedy, reduce=score))
     return ScoredStep(scored=out.value, cache_length=session.length)
 
 
@@ -78,7 +79,9 @@ async def propose_and_verify(
     candidates = proposer.get_candidates(session, step.new_token_ids) if proposing else NO_CANDIDATES
     rows = [0, *(1 + i for i in candidates.tree_nodes)]
 
-    def verify(logits: torch.Tensor, hidden: torch.Tensor | None) -> sampling.TreeVerdict:
+    def verify(out: PassOutput) -> sampling.TreeVerdict:
+        assert out.logits is not None
+        logits = out.logits
         probs = sampling.probabilities(logits[rows], params)  # [1 + m, vocab]
         return sampling.verify_tree(probs, candidates.tree_token_ids, candidates.tree_parents,
                                     sampling.generator(seed, logits.device))
@@ -88,6 +91,7 @@ async def propose_and_verify(
                              reduce=verify))
     verdict: sampling.TreeVerdict = out.value
     if proposing:
+        assert out.logits is not None  # a tree's pass is never greedy-only
         proposer.update_candidate_strategy(session, candidates, out.logits, out.hidden, verdict)
     path = tuple(candidates.tree_token_ids[i] for i in verdict.accepted_nodes)
     return VerifiedStep((*path, verdict.next_token_id), len(candidates.tree_nodes), session.length)
@@ -128,8 +132,11 @@ async def decode_run(
     def token(position: int, new: tuple[int, ...], left: int) -> Pass:
         at = position + len(new)  # where the drawn token will sit
 
-        def score(logits: torch.Tensor, hidden: torch.Tensor | None) -> sampling.ScoredBlock:
-            return sampling.score_logits(logits, params, [], [], sampling.position_seed(seed, at))
+        def score(out: PassOutput) -> sampling.ScoredBlock:
+            if out.best is not None:
+                return sampling.score_greedy(out.best, [])
+            assert out.logits is not None
+            return sampling.score_logits(out.logits, params, [], [], sampling.position_seed(seed, at))
 
         def then(out: PassOutput) -> Pass | None:  # on the forward worker
             drawn = out.value.bonus_token_id
@@ -138,7 +145,7 @@ async def decode_run(
             clock[0] = now
             return token(at, (drawn,), left - 1) if left > 1 and drawn not in stop_token_ids else None
 
-        return Pass(session, position, new, reduce=score, then=then)
+        return Pass(session, position, new, greedy=params.greedy, reduce=score, then=then)
 
     async def stretch(forward: Forward, first: Pass) -> None:
         await forward(first)
