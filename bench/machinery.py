@@ -24,7 +24,7 @@ from bench import tiny
 from tandem import batching, head, host, models, sampling, split
 from tandem.kv import KVSession
 
-SETTINGS = {"greedy": sampling.SamplingParams(),
+SETTINGS = {"greedy": sampling.SamplingParams(), "t0.7": sampling.SamplingParams(temperature=0.7),
             "t1-top-p": sampling.SamplingParams(temperature=1.0, top_p=0.9)}
 
 
@@ -75,20 +75,23 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--context", type=int, default=64, help="cached tokens per session")
     parser.add_argument("--sessions", default="1,4,16")
     parser.add_argument("--k", type=int, default=4, help="drafted tokens each session scores")
-    parser.add_argument("--settings", default="greedy,t1-top-p")
+    parser.add_argument("--settings", default="greedy,t0.7,t1-top-p")
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--vocab-slice-bytes", type=int, default=head.SLICE_BYTES,
                         help="as the target service's option (0: through the whole head's logits)")
+    parser.add_argument("--allocator-defaults", action="store_true",
+                        help="leave the C allocator as it is (a service keeps freed memory: tandem.host)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     path = args.model or str(tiny.make_model(Path(tempfile.mkdtemp()) / "wide", seed=1, hidden=64,
                                              vocab_size=151_936))
     model: Any = models.load_model(path, models.Placement("cpu", "float32"))
     batching.use_batched_attention(model)
+    allocator = "glibc's defaults" if args.allocator_defaults else host.keep_freed_memory()
     vocab = models.logits_width(model)
     runner = batching.TorchRunner(model, head=head.install(model, args.vocab_slice_bytes) if args.vocab_slice_bytes else None)
     print(f"{args.model or 'tiny random model, 152k vocabulary'}; {args.threads} thread(s); each "
-          f"session scores {args.k} drafted tokens after {args.context} cached\n")
+          f"session scores {args.k} drafted tokens after {args.context} cached; C allocator: {allocator}\n")
     print("| setting | sessions | host before ms | forward ms | host after ms | host ms per session "
           "| bytes to host |")
     print("|---|---|---|---|---|---|---|")

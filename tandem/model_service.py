@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import torch
 from transformers import AutoConfig, AutoTokenizer, DynamicCache
 
-from tandem import batching, decode_graph, head, llama, matmul, models, parallel, topology
+from tandem import batching, decode_graph, head, host, llama, matmul, models, parallel, topology
 from tandem.config import option
 from tandem.errors import BudgetHeld, InvalidRequest, Unavailable
 from tandem.kv import KVSession, SessionTable
@@ -227,6 +227,8 @@ class ModelHost:
             return
         started = time.perf_counter()
         model, dtype, group = self._load_model()
+        if self.config.device == "cpu":  # after loading, so the weights' own blocks are not kept
+            log.info("C allocator: %s", host.keep_freed_memory())
         accelerators = accelerator_ids(model)
         tokenizer = models.load_tokenizer(self.config.model)
         device = str(getattr(model, "hf_device_map", None) or self.config.device)
