@@ -23,6 +23,7 @@ import torch
 from bench import tiny
 from tandem import batching, head, host, models, sampling, split
 from tandem.kv import KVSession
+from target_service import scorer
 
 SETTINGS = {"greedy": sampling.SamplingParams(), "t0.7": sampling.SamplingParams(temperature=0.7),
             "t1-top-p": sampling.SamplingParams(temperature=1.0, top_p=0.9)}
@@ -49,10 +50,7 @@ def measure(runner: batching.Runner, vocab: int, sessions: int, k: int, context:
 
             def score(out: batching.PassOutput, block: list[int] = block,
                       dists: list[sampling.SparseDistribution] = dists) -> Any:
-                if out.best is not None:
-                    return sampling.score_greedy(out.best, block)
-                assert out.logits is not None
-                return sampling.score_logits(out.logits, params, block, dists, 0)
+                return scorer.block_scores(out, params, block, dists, 0)
 
             passes.append(batching.Pass(s, context, (*ids(1), *block), logits_to_keep=k + 1,
                                         greedy=params.greedy, reduce=score))

@@ -32,7 +32,7 @@ import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -257,23 +257,14 @@ def _read_sliced(head: Any, states: torch.Tensor, passes: list[Pass],
     """(logits, best) of each pass from its kept rows' hidden states: every greedy pass's rows
     through one sliced argmax (the head's weight read once for them all), the other passes'
     rows through the whole head."""
-    def rows(greedy: bool) -> list[int]:
-        return [i for p, (a, b) in zip(passes, spans, strict=True) if p.greedy == greedy for i in range(a, b)]
-    greedy_rows, other_rows = rows(True), rows(False)
-    best = head.argmax(states[greedy_rows]) if greedy_rows else None
-    logits = head(states[other_rows]) if other_rows else None
-    read: list[tuple[torch.Tensor | None, torch.Tensor | None]] = []
-    at = {True: 0, False: 0}
-    for p, (a, b) in zip(passes, spans, strict=True):
-        n, start = b - a, at[p.greedy]
-        at[p.greedy] += n
-        if p.greedy:
-            assert best is not None
-            read.append((None, best[start:start + n]))
-        else:
-            assert logits is not None
-            read.append((logits[start:start + n], None))
-    return read
+    def read(greedy: bool, through: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[torch.Tensor]:
+        mine = [(a, b) for p, (a, b) in zip(passes, spans, strict=True) if p.greedy == greedy]
+        if not mine:
+            return iter(())
+        out = through(states[[i for a, b in mine for i in range(a, b)]])
+        return iter(torch.split(out, [b - a for a, b in mine]))
+    best, logits = read(True, head.argmax), read(False, head)
+    return [(None, next(best)) if p.greedy else (next(logits), None) for p in passes]
 
 
 def batching_refusal(model: CausalLM) -> str | None:

@@ -38,9 +38,10 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from tandem import models, sampling
+from tandem import sampling
 from tandem.kv import KVSession, tree_segment
 from tandem.lm import CausalLM
+from tandem.models import ModelError
 from target_service.candidates import NO_CANDIDATES, Candidates
 
 log = logging.getLogger(__name__)
@@ -139,7 +140,7 @@ def _fetch(ref: str) -> tuple[Path, Path]:
     if local.is_dir():
         weights = next((local / f for f in WEIGHT_FILES if (local / f).exists()), None)
         if not (local / CONFIG_FILE).exists() or weights is None:
-            raise models.ModelError(f"Medusa heads directory {ref} needs {CONFIG_FILE} and one of "
+            raise ModelError(f"Medusa heads directory {ref} needs {CONFIG_FILE} and one of "
                              f"{', '.join(WEIGHT_FILES)}")
         return local / CONFIG_FILE, weights
     from huggingface_hub import hf_hub_download
@@ -153,10 +154,10 @@ def _fetch(ref: str) -> tuple[Path, Path]:
             except EntryNotFoundError:  # try the older .pt name
                 continue
     except Exception as exc:  # network, auth, a missing repo: one clear message
-        raise models.ModelError(f"cannot fetch Medusa heads {ref!r}: not a local directory, and the hub "
+        raise ModelError(f"cannot fetch Medusa heads {ref!r}: not a local directory, and the hub "
                          f"download failed ({type(exc).__name__}: {exc}); pass a local directory "
                          "(tandem train-medusa writes one)") from exc
-    raise models.ModelError(f"hub repo {ref!r} has neither of {', '.join(WEIGHT_FILES)}")
+    raise ModelError(f"hub repo {ref!r} has neither of {', '.join(WEIGHT_FILES)}")
 
 
 def load_heads(ref: str) -> MedusaHeads:
@@ -173,14 +174,14 @@ def load_heads(ref: str) -> MedusaHeads:
         num_heads, num_layers = int(config["medusa_num_heads"]), int(config.get("medusa_num_layers", 1))
         vocab_size, hidden_size = state[f"0.{num_layers}.weight"].shape
     except KeyError as exc:
-        raise models.ModelError(f"Medusa heads {ref}: missing {exc} in {config_path.name} or the weights") from exc
+        raise ModelError(f"Medusa heads {ref}: missing {exc} in {config_path.name} or the weights") from exc
     heads = MedusaHeads(num_heads, num_layers, hidden_size, vocab_size,
                         str(config.get("base_model_name_or_path", "")))
     # The reference may hold more heads than its config uses (medusa_num_heads overrides).
     wanted = heads.published_state_dict()
     missing = sorted(set(wanted) - set(state))
     if missing:
-        raise models.ModelError(f"Medusa heads {ref}: the weights lack {missing[:4]}")
+        raise ModelError(f"Medusa heads {ref}: the weights lack {missing[:4]}")
     heads.heads.load_state_dict({k: state[k].float() for k in wanted})
     return heads.eval()
 
@@ -286,16 +287,13 @@ class MedusaProposer:
 def build_medusa(heads_ref: str, choices: str, model: CausalLM) -> MedusaProposer:
     """The replica's Medusa proposer: heads checked against the target, on its lm_head's device."""
     heads = load_heads(heads_ref)
-    # The input embeddings' weight: its width, device and dtype are the head's (whose weight may
-    # be packed or held in slices: tandem.matmul, tandem.head).
-    embedding = model.get_input_embeddings().weight
-    hidden, vocab = embedding.shape[1], models.logits_width(model)
-    if (heads.hidden_size, heads.vocab_size) != (hidden, vocab):
-        raise models.ModelError(
+    lm_head = model.get_output_embeddings().weight
+    if (heads.hidden_size, heads.vocab_size) != (lm_head.shape[1], lm_head.shape[0]):
+        raise ModelError(
             f"Medusa heads {heads_ref} are for hidden size {heads.hidden_size} and vocabulary "
-            f"{heads.vocab_size}; the target has {hidden} and {vocab} "
+            f"{heads.vocab_size}; the target has {lm_head.shape[1]} and {lm_head.shape[0]} "
             f"(the heads were trained for {heads.base_model_name_or_path or 'another model'})")
-    heads.to(device=embedding.device, dtype=embedding.dtype)
+    heads.to(device=lm_head.device, dtype=lm_head.dtype)
     proposer = MedusaProposer(heads, parse_choices(choices))
     log.info("Medusa: %d heads from %s, a %d-node tree of depth %d", heads.num_heads, heads_ref,
              len(proposer.tree.paths), proposer.tree.depth)

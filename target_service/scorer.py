@@ -29,6 +29,16 @@ class VerifiedStep:
     cache_length: int
 
 
+def block_scores(out: PassOutput, params: sampling.SamplingParams, draft_token_ids: list[int],
+           draft_distributions: list[sampling.SparseDistribution], seed: int) -> sampling.ScoredBlock:
+    """A scoring pass's block scores: from each row's argmax (a greedy pass, `Pass.greedy`) or
+    from its logits."""
+    if out.best is not None:
+        return sampling.score_greedy(out.best, draft_token_ids)
+    assert out.logits is not None
+    return sampling.score_logits(out.logits, params, draft_token_ids, draft_distributions, seed)
+
+
 async def score_block(
     forward: Forward,
     session: KVSession,
@@ -46,10 +56,7 @@ async def score_block(
     k = len(draft_token_ids)
 
     def score(out: PassOutput) -> sampling.ScoredBlock:
-        if out.best is not None:
-            return sampling.score_greedy(out.best, draft_token_ids)
-        assert out.logits is not None
-        return sampling.score_logits(out.logits, params, draft_token_ids, draft_distributions, seed)
+        return block_scores(out, params, draft_token_ids, draft_distributions, seed)
 
     out = await forward(Pass(session, step.cache_position, (*step.new_token_ids, *draft_token_ids),
                              logits_to_keep=k + 1, greedy=params.greedy, reduce=score))
@@ -133,10 +140,7 @@ async def decode_run(
         at = position + len(new)  # where the drawn token will sit
 
         def score(out: PassOutput) -> sampling.ScoredBlock:
-            if out.best is not None:
-                return sampling.score_greedy(out.best, [])
-            assert out.logits is not None
-            return sampling.score_logits(out.logits, params, [], [], sampling.position_seed(seed, at))
+            return block_scores(out, params, [], [], sampling.position_seed(seed, at))
 
         def then(out: PassOutput) -> Pass | None:  # on the forward worker
             drawn = out.value.bonus_token_id
