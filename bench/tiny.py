@@ -37,14 +37,16 @@ def make_tokenizer(chars: str = DEFAULT_CHARS) -> PreTrainedTokenizerFast:
 
 def make_model(path: Path, *, seed: int, chars: str = DEFAULT_CHARS, eos_token_id: int = 0,
                layers: int = 2, hidden: int = 32, init_std: float = 0.3,
-               vocab_size: int | None = None) -> Path:
-    """Save a tiny random Llama model and its tokenizer at `path`."""
+               vocab_size: int | None = None, attention_bias: bool = False) -> Path:
+    """Save a tiny random Llama model and its tokenizer at `path` (`attention_bias`: its
+    attention projections carry biases, as Qwen2's do)."""
     tokenizer = make_tokenizer(chars)
     config = LlamaConfig(
         vocab_size=vocab_size or len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
         max_position_embeddings=512, initializer_range=init_std, tie_word_embeddings=False,
         eos_token_id=eos_token_id, bos_token_id=None, pad_token_id=None,
+        attention_bias=attention_bias,
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).eval()  # type: ignore[no-untyped-call]
@@ -160,6 +162,11 @@ def make_gguf(hf_dir: Path, out_dir: Path) -> Path:
         writer.add_tensor(f"blk.{i}.attn_q.weight", permute(state[layer + "self_attn.q_proj.weight"], heads))
         writer.add_tensor(f"blk.{i}.attn_k.weight",
                           permute(state[layer + "self_attn.k_proj.weight"], kv_heads))
+        for part, name, rotated in (("q", "attn_q", heads), ("k", "attn_k", kv_heads),
+                                    ("v", "attn_v", 0), ("o", "attn_output", 0)):
+            bias = state.get(f"{layer}self_attn.{part}_proj.bias")
+            if bias is not None:  # the rotated projections' biases are laid out as their rows
+                writer.add_tensor(f"blk.{i}.{name}.bias", permute(bias, rotated) if rotated else bias)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

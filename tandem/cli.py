@@ -69,6 +69,11 @@ def _serve_model(args: argparse.Namespace, label: str) -> None:
         sys.exit("target-service: --quantize is for drafts only; Tandem never changes the target's "
                  "output. Choose the target's precision with --dtype.")
     cfg = replace(cfg, backend=_backend(cfg, label))
+    if cfg.backend != "transformers" and cfg.medusa_heads:
+        if cfg.backend == "llama.cpp":
+            sys.exit(f"{label}: --medusa-heads reads the target's hidden states, which the llama.cpp "
+                     "target does not return; serve it with --backend transformers")
+        cfg = replace(cfg, backend="transformers")  # auto: Medusa asked for, so transformers
     if cfg.backend == "llama.cpp" and cfg.quantize in models.QUANTIZATIONS:
         sys.exit(f"{label}: --quantize {cfg.quantize} is for the transformers backend; a GGUF "
                  "file carries its own quantization")
@@ -186,13 +191,17 @@ def _backend(cfg: Any, label: str) -> str:
 
     if cfg.backend not in BACKENDS:
         sys.exit(f"{label}: --backend must be one of {', '.join(BACKENDS)}, got {cfg.backend!r}")
-    if label == "target-service":
+    if label == "target-service" and cfg.backend != TRANSFORMERS and (
+            cfg.tensor_parallel_size > 1 or models.Placement(cfg.device).device_map is not None):
         if cfg.backend == LLAMA_CPP:
-            sys.exit("target-service: --backend llama.cpp is for drafts; the target runs on "
-                     "transformers (its passes score token trees and shard over GPUs)")
+            sys.exit("target-service: --backend llama.cpp runs a whole model in one process: it "
+                     "does not combine with --tensor-parallel-size or a device map")
         return TRANSFORMERS
+    if label == "target-service" and cfg.backend == models.AUTO and cfg.device != "cpu" \
+            and _transformers_loads(cfg.model):
+        return TRANSFORMERS  # on a GPU: captured decode, token trees (a GGUF file alone: below)
     if cfg.backend == models.AUTO and cfg.model in models.BUILTIN_MODELS and not llama.available():
-        log.info("%s: llama-cpp-python is not installed: the built-in draft runs on transformers",
+        log.info("%s: llama-cpp-python is not installed: the built-in model runs on transformers",
                  label)
         return TRANSFORMERS
     try:
@@ -209,14 +218,22 @@ def _backend(cfg: Any, label: str) -> str:
         return _loadable(gguf, label)
     if cfg.backend == models.AUTO and gguf is not None:
         if llama.available():
-            return _loadable(gguf, label)
+            backend = _loadable(gguf, label)
+            # A target both backends can run is timed on each at start-up (ModelHost.load).
+            return models.AUTO if label == "target-service" and _transformers_loads(cfg.model) \
+                else backend
         log.warning("%s: %s is a GGUF model but llama-cpp-python is not installed: running it on "
                     "transformers", label, cfg.model)
-    if gguf is not None and not (cfg.model in models.BUILTIN_MODELS or Path(cfg.model).is_dir()
-                                 and (Path(cfg.model) / "config.json").exists()):
+    if gguf is not None and not _transformers_loads(cfg.model):
         sys.exit(f"{label}: {cfg.model} is a GGUF file, which transformers does not load here; "
                  "install llama-cpp-python or pass a Hugging Face model directory")
     return TRANSFORMERS
+
+
+def _transformers_loads(ref: str) -> bool:
+    """Whether transformers loads `ref` here: a built-in model (converted once) or a Hugging
+    Face model directory; a GGUF file alone it does not."""
+    return ref in models.BUILTIN_MODELS or Path(ref).is_dir() and (Path(ref) / "config.json").exists()
 
 
 def _loadable(gguf: Path, label: str) -> str:

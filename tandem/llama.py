@@ -146,11 +146,15 @@ class LlamaEngine:
     drives (batching.Runner)."""
 
     def __init__(self, path: str, *, context_tokens: int, max_batch_tokens: int, threads: int,
-                 gpu_layers: int = 0, float32_attention: bool = False) -> None:
+                 gpu_layers: int = 0, float32_attention: bool = False, repack: bool = True) -> None:
         lib = self.lib = _bindings()
         lib.llama_backend_init()
         params = lib.llama_model_default_params()
         params.n_gpu_layers = gpu_layers
+        # llama.cpp repacks some weight types for its CPU kernels (interleaved rows); those
+        # kernels multiply a block's rows in groups and a lone row on its own (see
+        # docs/ARCHITECTURE.md, "Exact on llama.cpp").
+        params.use_extra_bufts = repack
         self.offloaded = gpu_layers != 0  # the logits come from a device
         self.model = lib.llama_model_load_from_file(path.encode(), params)
         if not self.model:

@@ -14,6 +14,32 @@ from transformers import DynamicCache
 CausalLM = Any
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What a loaded backend does besides plain passes (a block of tokens appended to a
+    session's cache, rows of logits back): stated by the backend when it loads, so that the
+    services offer what needs more (a target proposer's token tree, Medusa's hidden states)
+    by reading them, not by trying the model."""
+
+    backend: str  # "transformers" or "llama.cpp"
+    # Scores a segment after the new tokens under a hand-built mask, then forgets it (Lookahead's
+    # and Medusa's token trees).
+    token_trees: bool
+    # Returns the last hidden states at the kept rows (Medusa's heads read them).
+    hidden_states: bool
+    # How far a pass with a hand-built full causal mask matches the model's own: inside the
+    # positions it serves exactly and inside its sliding window (`models.exact_positions`).
+    exact_positions: float = float("inf")
+
+    def refusal(self, needs_hidden: bool) -> str | None:
+        """Why a target proposer cannot run on this backend (None: it can)."""
+        if not self.token_trees:
+            return f"the {self.backend} target scores no token trees"
+        if needs_hidden and not self.hidden_states:
+            return f"the {self.backend} target returns no hidden states"
+        return None
+
+
 @dataclass(frozen=True, eq=False)
 class Rows:
     """One session's part of a batched pass, as numbers: what any rank needs to attend for it.

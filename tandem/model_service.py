@@ -15,6 +15,7 @@ import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -24,7 +25,7 @@ from tandem import batching, decode_graph, head, host, llama, matmul, models, pa
 from tandem.config import option
 from tandem.errors import BudgetHeld, InvalidRequest, Unavailable
 from tandem.kv import KVSession, SessionTable
-from tandem.lm import CausalLM
+from tandem.lm import Capabilities, CausalLM
 from tandem.metrics import ReplicaMetrics
 from tandem.sampling import SamplingParams, validate
 from tandem.security import ServerSecurityConfig
@@ -62,10 +63,13 @@ class ModelServiceConfig(ServerSecurityConfig):
 
     model: str = option("", "model: local path, hub id, or a built-in name; a draft may also "
                         "name a .gguf file or a directory holding one")
-    backend: str = option("auto", "draft only: what runs the model: transformers, llama.cpp (a "
-                          "GGUF model, through llama-cpp-python), or auto: llama.cpp for a GGUF "
-                          "model (the built-in draft's included) where it is installed, else "
-                          "transformers")
+    backend: str = option("auto", "what runs the model: transformers, llama.cpp (a GGUF model, "
+                          "through llama-cpp-python), or auto. A draft under auto: llama.cpp for a "
+                          "GGUF model (a built-in one included) where it is installed, else "
+                          "transformers. A target under auto on a CPU, for a model both can run "
+                          "(a built-in one): each is loaded and timed at start-up and the one "
+                          "expected to serve more tokens per second with speculation is kept; "
+                          "llama.cpp for a GGUF file alone; transformers on a GPU or otherwise")
     gguf_file: str = option("", "the GGUF file to load from a directory holding several")
     host: str = option("127.0.0.1", "address to bind")
     port: int = option(0, "port to bind (0 picks a free one)")
@@ -148,6 +152,42 @@ class Step:
     new_token_ids: list[int]
 
 
+#: The acceptance rate `choose_backend` weighs speculation at: near the middle of what the
+#: built-in pair accepts on code (about 0.8) and on prose (about 0.4).
+CHOICE_ACCEPTANCE = 0.6
+
+
+def choose_backend(timings: dict[str, dict[int, float]]) -> tuple[str, dict[str, float]]:
+    """--backend auto's choice from each backend's v(T): the one expected to serve the most
+    tokens per second with speculation, and each one's figure.
+
+    A pass of T tokens verifies T - 1 drafted ones and yields E(T - 1) tokens, where
+    E(k) = (1 - a^(k+1)) / (1 - a) at acceptance a (Leviathan et al. 2023); a backend's figure
+    is the best E(T - 1) / v(T) over the sizes timed, T = 1 (no speculation) included, so a
+    backend whose blocks cost as much as their tokens one by one is judged on its plain
+    decoding. Ties go to the first backend named.
+    """
+    a = CHOICE_ACCEPTANCE
+
+    def rate(v: dict[int, float]) -> float:
+        return max((1000.0 * (1 - a ** t) / (1 - a) / ms for t, ms in v.items() if ms > 0), default=0.0)
+
+    rates = {backend: rate(v) for backend, v in timings.items()}
+    return max(rates, key=lambda b: rates[b]), rates
+
+
+@dataclass(eq=False)
+class _Opened:
+    """A model loaded on one backend and timed, not yet serving."""
+
+    engine: Any  # the transformers model (its rank's shard) or the LlamaEngine
+    pass_times: dict[int, float]  # v(T), ms
+    started: float  # perf_counter() when its load began
+    dtype: str = ""  # transformers: what its weights run in
+    group: parallel.Group | None = None  # transformers: its tensor-parallel group
+    path: Path | None = None  # llama.cpp: its GGUF file
+
+
 class ModelHost:
     def __init__(self, config: ModelServiceConfig, tensor_parallel: topology.Topology | None = None
                  ) -> None:
@@ -167,6 +207,8 @@ class ModelHost:
         self.quantized = ""  # what --quantize (auto: the timing) chose
         self.serves_decode_runs = False  # a target's host: --decode-graph and the sliced head apply
         self.head: head.VocabChunks | None = None
+        # What the loaded backend does besides plain passes (set by load()).
+        self.capabilities = Capabilities(TRANSFORMERS, token_trees=True, hidden_states=True)
         self.metrics = ReplicaMetrics.for_model(config.model, config.max_sessions)
         self.scheduler = batching.StepScheduler(
             config.max_batch_sessions, config.max_batch_tokens,
@@ -222,22 +264,54 @@ class ModelHost:
         return model, dtype, group
 
     def load(self) -> None:
-        if self.config.backend == LLAMA_CPP:
-            self._load_llama()
-            return
+        """Load the model on the backend --backend names (the CLI resolved it), or, under
+        auto (a model both backends can run, on a CPU), on each in turn, timed at the pass sizes
+        it will serve; the faster serves (`choose_backend`) and the other is dropped."""
+        backend = self.config.backend
+        if backend == LLAMA_CPP:
+            self._serve_llama(self._open_llama())
+        elif backend == TRANSFORMERS:
+            self._serve_transformers(self._open_transformers())
+        else:
+            on_llama = self._open_llama()
+            on_hf = self._open_transformers()
+            timings = {LLAMA_CPP: on_llama.pass_times, TRANSFORMERS: on_hf.pass_times}
+            chosen, rates = choose_backend(timings)
+            log.info("--backend auto: %s (expected tokens/s with speculation: %s; passes, tokens: ms: %s)",
+                     chosen, ", ".join(f"{b} {r:.2f}" for b, r in rates.items()),
+                     "; ".join(f"{b} " + ", ".join(f"{t}: {ms:.1f}" for t, ms in v.items())
+                               for b, v in timings.items()))
+            if chosen == LLAMA_CPP:
+                del on_hf  # its weights are freed
+                self._serve_llama(on_llama)
+            else:
+                on_llama.engine.close()
+                self._serve_transformers(on_hf)
+            assert self.info is not None
+            self.info.backend_timings.extend(
+                common_pb2.BackendTiming(backend=b, expected_tokens_per_s=rates[b],
+                                         pass_times=[common_pb2.PassTime(token_count=t, pass_ms=ms)
+                                                     for t, ms in v.items()])
+                for b, v in timings.items())
+
+    def _open_transformers(self) -> _Opened:
         started = time.perf_counter()
         model, dtype, group = self._load_model()
         if self.config.device == "cpu":  # after loading, so the weights' own blocks are not kept
             log.info("C allocator: %s", host.keep_freed_memory())
+        # v(T) on the path kept, where one process holds the whole model on one device.
+        pass_times = {} if group is not None or models.Placement(self.config.device).device_map \
+            else matmul.time_passes(model, matmul.PASS_TOKENS)
+        return _Opened(model, pass_times, started, dtype, group)
+
+    def _serve_transformers(self, opened: _Opened) -> None:
+        model, dtype, group, pass_times = opened.engine, opened.dtype, opened.group, opened.pass_times
         accelerators = accelerator_ids(model)
         tokenizer = models.load_tokenizer(self.config.model)
         device = str(getattr(model, "hf_device_map", None) or self.config.device)
         if group is not None:
             model = parallel.Lockstep(model, group, self._stop_on_failure)
             device += f", tensor-parallel over {group.top.size} ranks"
-        # v(T) on the path kept, where one process holds the whole model on one device.
-        pass_times = {} if group is not None or models.Placement(self.config.device).device_map \
-            else matmul.time_passes(model, matmul.PASS_TOKENS)
         self.info = common_pb2.ModelInfo(
             model=self.config.model,
             vocab_size=models.logits_width(model),
@@ -252,8 +326,11 @@ class ModelHost:
             matmul_path=self.matmul_path,
             pass_times=[common_pb2.PassTime(token_count=t, pass_ms=ms)
                         for t, ms in pass_times.items()],
+            backend=TRANSFORMERS,
         )
         self.tokenizer = tokenizer
+        self.capabilities = Capabilities(TRANSFORMERS, token_trees=True, hidden_states=True,
+                                         exact_positions=models.exact_positions(model))
         refusal = self.batch_refusal if self.quantized else batching.batching_refusal(model)
         runner = batching.TorchRunner(model, head=self.head)
         self.scheduler.start(runner, refusal)
@@ -265,12 +342,13 @@ class ModelHost:
         log.info("loaded %s on %s (%s, matmul %s) in %.1fs, %d threads; passes (tokens: ms) "
                  "%s; KV cache: %d bytes per token, budget %s",
                  self.config.model, self.info.device, self.info.dtype, self.matmul_path,
-                 time.perf_counter() - started, torch.get_num_threads(),
+                 time.perf_counter() - opened.started, torch.get_num_threads(),
                  ", ".join(f"{t}: {ms:.1f}" for t, ms in pass_times.items()) or "not timed",
                  models.kv_bytes_per_token(model), self.config.kv_budget_tokens or "none")
 
-    def _load_llama(self) -> None:
-        """The model on llama.cpp (tandem.llama): one context, a sequence per session cache."""
+    def _open_llama(self) -> _Opened:
+        """The model's GGUF file on llama.cpp (tandem.llama): one context, a sequence per
+        session cache; its v(T) timed."""
         started = time.perf_counter()
         cfg = self.config
         path = models.find_gguf(cfg.model, cfg.gguf_file)
@@ -280,14 +358,21 @@ class ModelHost:
         engine = llama.LlamaEngine(str(path), context_tokens=budget,
                                    max_batch_tokens=cfg.max_batch_tokens, threads=cfg.threads,
                                    gpu_layers=-1 if cfg.device.startswith("cuda") else 0)
+        return _Opened(engine, engine.time_passes(matmul.PASS_TOKENS), started, path=path)
+
+    def _serve_llama(self, opened: _Opened) -> None:
+        cfg, engine, path, pass_times = self.config, opened.engine, opened.path, opened.pass_times
+        assert isinstance(engine, llama.LlamaEngine) and path is not None
+        budget = cfg.kv_budget_tokens or llama.DEFAULT_CONTEXT_TOKENS
         self.sessions.kv_budget_tokens = budget
-        if cfg.max_sessions > llama.MAX_SEQUENCES // 2:
-            self.sessions.max_sessions = llama.MAX_SEQUENCES // 2
-            log.info("--max-sessions %d: llama.cpp serves %d sequences, half kept for drafting "
-                     "ahead's copies, so at most %d sessions", cfg.max_sessions,
-                     llama.MAX_SEQUENCES, self.sessions.max_sessions)
-        # The tokenizer files beside the GGUF where there are any (the built-in draft's are
-        # in its converted directory), else the GGUF's own vocabulary.
+        # A draft keeps half its sequences for drafting ahead's copies; a target copies none.
+        most = llama.MAX_SEQUENCES if self.serves_decode_runs else llama.MAX_SEQUENCES // 2
+        if cfg.max_sessions > most:
+            self.sessions.max_sessions = most
+            log.info("--max-sessions %d: llama.cpp serves %d sequences here, so at most %d sessions",
+                     cfg.max_sessions, llama.MAX_SEQUENCES, most)
+        # The tokenizer files beside the GGUF where there are any (a built-in model's are in
+        # its converted directory), else the GGUF's own vocabulary.
         tokenizer = models.load_tokenizer(cfg.model) if cfg.model in models.BUILTIN_MODELS \
             else AutoTokenizer.from_pretrained(path.parent) if (
                 path.parent / "tokenizer_config.json").exists() \
@@ -295,22 +380,25 @@ class ModelHost:
         builtin = models.BUILTIN_MODELS.get(cfg.model)
         eos = {int(t) for t in (tokenizer.eos_token_id,) if t is not None} | set(
             builtin.eos_token_ids if builtin else ())
-        pass_times = engine.time_passes(matmul.PASS_TOKENS)
         self.info = common_pb2.ModelInfo(
             model=cfg.model, vocab_size=engine.vocab_size,
             tokenizer_fingerprint=models.tokenizer_fingerprint(tokenizer),
-            max_context_tokens=engine.trained_context, eos_token_ids=sorted(eos),
+            # One session holds at most the context's cells (the budget), however long the model's own.
+            max_context_tokens=min(engine.trained_context, budget), eos_token_ids=sorted(eos),
             dtype=f"gguf {engine.metadata('general.file_type') or '?'}", device=cfg.device,
             boot_id=boot_id(), cpu_ids=sorted(os.sched_getaffinity(0)),
             matmul_path=LLAMA_CPP,
             pass_times=[common_pb2.PassTime(token_count=t, pass_ms=ms) for t, ms in pass_times.items()],
+            backend=LLAMA_CPP,
         )
         self.tokenizer, self.new_cache = tokenizer, engine.new_cache
+        self.capabilities = Capabilities(LLAMA_CPP, token_trees=False, hidden_states=False,
+                                         exact_positions=engine.trained_context)
         self.scheduler.start(engine, None)
         self.model = engine
         log.info("loaded %s (%s, %s) on llama.cpp in %.1fs, %d threads; passes (tokens: ms) %s; "
                  "KV cache: %d bytes per token, %d tokens over all sessions", path,
-                 engine.describe(), self.info.dtype, time.perf_counter() - started, engine.threads,
+                 engine.describe(), self.info.dtype, time.perf_counter() - opened.started, engine.threads,
                  ", ".join(f"{t}: {ms:.1f}" for t, ms in pass_times.items()),
                  engine.kv_bytes_per_token(), budget)
 

@@ -66,7 +66,7 @@ class TargetService(ModelServicer, target_pb2_grpc.TargetServiceServicer):
 
     def load(self) -> None:
         super().load()
-        self.proposers = build_proposers(self.host.config, self.host.ready_model())
+        self.proposers = build_proposers(self.host.config, self.host.ready_model(), self.host.capabilities)
         assert self.host.info is not None
         self.host.info.proposers.extend(sorted(self.proposers))
         self.tokenizer = target_pb2.GetTokenizerResponse(files=[
@@ -100,7 +100,8 @@ class TargetService(ModelServicer, target_pb2_grpc.TargetServiceServicer):
         self, request_iterator: AsyncIterator[target_pb2.ScoreBlocksRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[target_pb2.ScoreBlocksResponse]:
-        exact_positions = models.exact_positions(self.host.ready_model())
+        self.host.ready_model()
+        exact_positions = self.host.capabilities.exact_positions
         async for session, request in self.host.session_stream(request_iterator):
             step = step_from(request, session)
             params = sampling_from(request.sampling)

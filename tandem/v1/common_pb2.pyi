@@ -41,7 +41,7 @@ class SparseDistribution(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "vocab_size", "tokenizer_fingerprint", "max_context_tokens", "eos_token_ids", "dtype", "device", "proposers", "boot_id", "cpu_ids", "accelerator_ids", "matmul_path", "pass_times")
+    __slots__ = ("model", "vocab_size", "tokenizer_fingerprint", "max_context_tokens", "eos_token_ids", "dtype", "device", "proposers", "boot_id", "cpu_ids", "accelerator_ids", "matmul_path", "pass_times", "backend", "backend_timings")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +55,8 @@ class ModelInfo(_message.Message):
     ACCELERATOR_IDS_FIELD_NUMBER: _ClassVar[int]
     MATMUL_PATH_FIELD_NUMBER: _ClassVar[int]
     PASS_TIMES_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_TIMINGS_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     tokenizer_fingerprint: str
@@ -68,7 +70,19 @@ class ModelInfo(_message.Message):
     accelerator_ids: _containers.RepeatedScalarFieldContainer[str]
     matmul_path: str
     pass_times: _containers.RepeatedCompositeFieldContainer[PassTime]
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_context_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., proposers: _Optional[_Iterable[_Union[Proposer, str]]] = ..., boot_id: _Optional[str] = ..., cpu_ids: _Optional[_Iterable[int]] = ..., accelerator_ids: _Optional[_Iterable[str]] = ..., matmul_path: _Optional[str] = ..., pass_times: _Optional[_Iterable[_Union[PassTime, _Mapping]]] = ...) -> None: ...
+    backend: str
+    backend_timings: _containers.RepeatedCompositeFieldContainer[BackendTiming]
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_context_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., proposers: _Optional[_Iterable[_Union[Proposer, str]]] = ..., boot_id: _Optional[str] = ..., cpu_ids: _Optional[_Iterable[int]] = ..., accelerator_ids: _Optional[_Iterable[str]] = ..., matmul_path: _Optional[str] = ..., pass_times: _Optional[_Iterable[_Union[PassTime, _Mapping]]] = ..., backend: _Optional[str] = ..., backend_timings: _Optional[_Iterable[_Union[BackendTiming, _Mapping]]] = ...) -> None: ...
+
+class BackendTiming(_message.Message):
+    __slots__ = ("backend", "pass_times", "expected_tokens_per_s")
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    PASS_TIMES_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    backend: str
+    pass_times: _containers.RepeatedCompositeFieldContainer[PassTime]
+    expected_tokens_per_s: float
+    def __init__(self, backend: _Optional[str] = ..., pass_times: _Optional[_Iterable[_Union[PassTime, _Mapping]]] = ..., expected_tokens_per_s: _Optional[float] = ...) -> None: ...
 
 class PassTime(_message.Message):
     __slots__ = ("token_count", "pass_ms")

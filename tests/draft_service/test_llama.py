@@ -232,8 +232,6 @@ def test_what_the_llama_backend_cannot_run_is_refused_in_one_line(gguf_draft: Pa
     for argv, message in (
             (["draft-service", "--model", str(tiny_draft), "--backend", "llama.cpp"],
              "--backend llama.cpp needs a GGUF model"),
-            (["target-service", "--model", str(tiny_target), "--backend", "llama.cpp"],
-             "--backend llama.cpp is for drafts"),
             (["draft-service", "--model", str(gguf_draft), "--backend", "llama.cpp", "--quantize",
               "int8-dynamic"], "a GGUF file carries its own quantization"),
             (["draft-service", "--model", str(gguf_draft), "--backend", "onnx"],

@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from tandem import sampling
 from tandem.kv import KVSession, tree_segment
+from tandem.lm import Capabilities
 from tandem.model_service import ModelServiceConfig, Step
 from target_service.lookahead import (
     STATE_KEY,
@@ -23,6 +24,9 @@ from target_service.lookahead import (
     window_segment,
 )
 from target_service.proposers import build_proposers
+
+TREES = Capabilities("transformers", token_trees=True, hidden_states=True)
+NO_TREES = Capabilities("llama.cpp", token_trees=False, hidden_states=False)
 
 VOCAB = 40
 GREEDY = sampling.SamplingParams()
@@ -222,5 +226,17 @@ def test_config_flag() -> None:
             LookaheadConfig.parse(bad)
     from tandem.v1 import common_pb2
 
-    assert common_pb2.PROPOSER_LOOKAHEAD in build_proposers(ModelServiceConfig(), None)  # type: ignore[arg-type]
-    assert not build_proposers(ModelServiceConfig(lookahead="off"), None)  # type: ignore[arg-type]
+    assert common_pb2.PROPOSER_LOOKAHEAD in build_proposers(ModelServiceConfig(), None, TREES)  # type: ignore[arg-type]
+    assert not build_proposers(ModelServiceConfig(lookahead="off"), None, TREES)  # type: ignore[arg-type]
+
+
+def test_proposers_are_offered_by_what_the_backend_can_run() -> None:
+    from tandem.errors import InvalidRequest
+
+    # A backend that scores no trees (the llama.cpp target): no Lookahead, Medusa refused.
+    assert not build_proposers(ModelServiceConfig(), None, NO_TREES)  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequest, match="scores no token trees"):
+        build_proposers(ModelServiceConfig(medusa_heads="heads"), None, NO_TREES)  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequest, match="returns no hidden states"):
+        build_proposers(ModelServiceConfig(medusa_heads="heads"), None,  # type: ignore[arg-type]
+                        Capabilities("other", token_trees=True, hidden_states=False))
