@@ -265,6 +265,11 @@ class Speculation:
         cap = self.costs.load_limit(self.alpha(), cap)
         return self._per_step(cap, 0 if prefill else lag, remaining) if cap else 0
 
+    def plain_run(self, remaining: int) -> int:
+        """Tokens the target decodes alone, in one run, once the policy has chosen k = 0 after
+        the prefill: until its next probe would draft again, and no further than the end."""
+        return max(1, min(remaining, self.probe_every - self.idle_steps % self.probe_every))
+
     def _per_step(self, cap: int, lag: int = 1, remaining: int = 1) -> int:
         """The k that maximises tokens per unit of time (at most `cap`): this step's, and for a
         draft that lags, its catch-up spread over the drafting steps left."""

@@ -51,11 +51,14 @@ async def speculate(gen: Generation, proposer: Proposer | None, target: TargetSe
 
     `proposer` drafts blocks here (a draft model, prompt lookup); with None the target
     decodes alone (one run for the whole generation, each token a step here), or proposes and
-    verifies a tree itself when `target.proposer` is set.
+    verifies a tree itself when `target.proposer` is set. Where the policy drafts nothing
+    after the prefill, the target decodes alone too, in a run as long as the policy would go
+    before looking again (`Speculation.plain_run`): no round trip per token either.
     """
     history = list(gen.prompt_token_ids)
     run = (target.decode(history, gen.sampling, gen.seed, len(history) + gen.max_new_tokens, gen.eos_token_ids)
            if proposer is None and not target.proposer else None)
+    run_left = gen.max_new_tokens  # tokens the run in progress still decodes
     rng = torch.Generator().manual_seed(gen.seed)
     policy = Speculation(gen.policy, gen.num_speculative_tokens if proposer else 0, costs)
     generated = 0
@@ -68,6 +71,10 @@ async def speculate(gen: Generation, proposer: Proposer | None, target: TargetSe
             prefill, target_synced = target.synced == 0, target.synced
             lag = proposer.lag(len(history)) if proposer is not None else 0
             k = policy.choose(remaining, prefill, lag)
+            if run is None and proposer is not None and k == 0 and not prefill and remaining > 1:
+                run_left = policy.plain_run(remaining)
+                run = target.decode(history, gen.sampling, gen.seed, len(history) + run_left,
+                                    gen.eos_token_ids)
             wait_ms = 0.0
             # The draft keys its draws by (request seed, position), so a block drafted ahead is
             # the block drafted now; with overlap it drafts the next k while the target verifies.
@@ -77,6 +84,10 @@ async def speculate(gen: Generation, proposer: Proposer | None, target: TargetSe
                 called = time.perf_counter()
                 result: TargetResult = await anext(run)
                 answered = time.perf_counter()
+                run_left -= 1
+                if run_left == 0 and proposer is not None:  # the policy looks again next step
+                    await run.aclose()
+                    run = None
             elif proposer is None or k == 0 or (prefill and beside):
                 # A draft the policy does not mean to use is not prefilled: it catches up when used.
                 # Nor is one that takes turns on the target's hardware: prefilling both at once there

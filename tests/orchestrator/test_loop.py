@@ -181,3 +181,53 @@ def test_greedy_output_is_the_targets_own(draft_law: torch.Tensor) -> None:
             if not step.prefill:
                 assert step.drafted == min(K, remaining - 1)  # every verifying step drafted its k
             remaining -= len(step.token_ids)
+
+
+class RunningTarget(TableTarget):
+    """A TableTarget that also answers decode runs (greedy), one response per token, and
+    counts the requests it was sent."""
+
+    def __init__(self, law: torch.Tensor) -> None:
+        super().__init__(law, greedy=True)
+        self.requests: list[str] = []
+
+    async def _step(self, method: str, build: Any) -> Any:
+        self.requests.append("step")
+        return await super()._step(method, build)
+
+    async def _stream(self, method: str, build: Any) -> Any:
+        request: target_pb2.ScoreBlocksRequest = build(self.synced)
+        self.requests.append("run")
+        assert request.WhichOneof("proposal") == "decode_run"
+        self.cache = self.cache[:request.cache_position] + list(request.new_token_ids)
+        for _ in range(request.decode_run.max_tokens):
+            token = int(row(self.law, self.cache).argmax())
+            self.cache.append(token)
+            yield target_pb2.ScoreBlocksResponse(cache_length=len(self.cache) - 1, compute_ms=1.0,
+                                                 block_scores=target_pb2.BlockScores(bonus_token_id=token))
+
+
+def test_a_request_the_policy_keeps_plain_decodes_in_runs_not_a_round_trip_per_token() -> None:
+    """Adaptive, with the load rule at k = 0 (`--speculation-by-batch 1-:0`): after the prefill
+    the target decodes alone, in runs as long as the policy goes before looking again."""
+    from orchestrator.policy import BatchTable, Deployment
+
+    gen = Generation(prompt_token_ids=PROMPT, max_new_tokens=40, sampling=sampling.SamplingParams(),
+                     seed=0, num_speculative_tokens=K, policy="adaptive", proposer="draft-model",
+                     eos_token_ids=frozenset())
+    draft, target = TableDraft(DRAFT), RunningTarget(TARGET)
+    proposer = DraftModelProposer(draft, max_support_size=VOCAB, overlap=False)
+    costs = CostModel(deployment=Deployment(by_batch=BatchTable.parse("1-:0", K)))
+
+    async def steps() -> list[Step]:
+        return [step async for step in speculation.speculate(gen, proposer, target, costs)]
+
+    done = asyncio.run(steps())
+    tokens, expected, last = [t for s in done for t in s.token_ids], [], PROMPT[-1]
+    for _ in range(40):
+        last = int(TARGET[last].argmax())
+        expected.append(last)
+    assert tokens == expected
+    assert not any(s.drafted for s in done)
+    # The prefill's step, then 39 tokens in runs of at most 16 (the policy's probe interval).
+    assert target.requests == ["step", "run", "run", "run"], target.requests
