@@ -54,7 +54,10 @@ $(STAMP): pyproject.toml | $(PY)
 # while everything else installs); LLAMA_CPP=skip leaves it out of `make install`.
 LLAMA_CPP ?= build
 LLAMA_CPP_WHEELS ?=
-LLAMA_CMAKE_ARGS := -DLLAMA_CURL=OFF -DLLAVA_BUILD=OFF $(if $(filter cuda,$(DEVICE)),-DGGML_CUDA=on,)
+# GGML_OPENMP=OFF: ggml's own thread pool, not OpenMP. torch's OpenMP runtime is loaded first and
+# ggml would share it, with the wait policy Tandem sets for torch (OMP_WAIT_POLICY=PASSIVE), under
+# which llama.cpp's threads sleep at every operation's barrier (a 1.5B Q4_K_M token: 80 ms, not 51).
+LLAMA_CMAKE_ARGS := -DLLAMA_CURL=OFF -DLLAVA_BUILD=OFF -DGGML_OPENMP=OFF $(if $(filter cuda,$(DEVICE)),-DGGML_CUDA=on,)
 llama-cpp: | $(PY)
 	@echo "installing llama-cpp-python $(LLAMA_CPP_VERSION) for the llama.cpp draft backend ($(DEVICE)$(if $(LLAMA_CPP_WHEELS),, built from source))"
 	@CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PY) -m pip install \

@@ -55,8 +55,9 @@ def speculative_simple(binary: Path, target: Path, draft: Path, text: str, n: in
     """llama-speculative-simple's decode rate (tokens/s) on one prompt, greedy."""
     result = subprocess.run(
         [str(binary), "-m", str(target), "-md", str(draft), "-p", text, "-n", str(n), "--temp", "0",
-         "-t", str(threads), "-td", str(threads), "--draft-max", str(draft_max), "-c", "4096",
-         "-ngl", "0", "-ngld", "0"], capture_output=True, text=True, timeout=1800, check=False)
+         "-t", str(threads), "-td", str(threads), "--spec-type", "draft-simple",
+         "--spec-draft-n-max", str(draft_max), "-c", "4096"],
+        capture_output=True, text=True, timeout=1800, check=False)
     found = re.search(r"decoded\s+\d+ tokens in\s+[\d.]+ seconds, speed:\s+([\d.]+) t/s",
                       result.stdout + result.stderr)
     if found is None:

@@ -317,10 +317,14 @@ def _up(args: argparse.Namespace) -> None:
     from tandem import llama
 
     on_llama = llama.available() and models.find_gguf(args.draft) is not None
+    # The target service's --backend auto on a CPU: a model both backends run is timed on each.
+    target_timed = args.device == "cpu" and llama.available() and args.target in models.BUILTIN_MODELS
+    target_on = f"llama.cpp or transformers {target_dtype}, the faster as timed at start-up" \
+        if target_timed else target_dtype
     print(f"starting draft {args.draft} "
           f"({'llama.cpp, its GGUF file' if on_llama else draft_dtype}"
           f"{', quantize ' + quantize if quantize and not on_llama else ''}) and target {args.target} "
-          f"({target_dtype}) on {args.device}\n"
+          f"({target_on}) on {args.device}\n"
           f"  logs: {logs}/{{draft,target,orchestrator}}.log\n"
           f"loading models (the first load on a CPU takes a minute or two)...", flush=True)
     started = time.monotonic()
