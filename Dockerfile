@@ -40,12 +40,12 @@ RUN pip install . \
     && tandem --help > /dev/null
 # llama.cpp, for GGUF drafts and CPU targets (`--backend llama.cpp`, and `auto` for the
 # built-in pair): llama-cpp-python built from source, for any x86-64 CPU (not this build
-# machine's). NOTE: a CPU build in both variants; ggml's CUDA kernels need the CUDA toolkit,
+# machine's), on ggml's own thread pool (the Makefile says why). NOTE: a CPU build in both variants; ggml's CUDA kernels need the CUDA toolkit,
 # which this python-slim stage lacks, so on GPU nodes llama.cpp runs on the CPU.
 ARG LLAMA_CPP_VERSION=0.3.36
 RUN apt-get update \
     && apt-get install -y --no-install-recommends build-essential cmake \
-    && CMAKE_ARGS="-DLLAMA_CURL=OFF -DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF" \
+    && CMAKE_ARGS="-DLLAMA_CURL=OFF -DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF -DGGML_OPENMP=OFF" \
        pip install --no-binary llama-cpp-python "llama-cpp-python==$LLAMA_CPP_VERSION" \
     && python -c "import llama_cpp" \
     && rm -rf /var/lib/apt/lists/*
@@ -56,10 +56,6 @@ LABEL org.opencontainers.image.title="tandem" \
       org.opencontainers.image.description="Distributed lossless speculative decoding: draft, target and orchestrator services" \
       org.opencontainers.image.licenses="Apache-2.0" \
       dev.tandem.variant="$VARIANT"
-# llama.cpp's CPU kernels run their threads with OpenMP.
-RUN apt-get update \
-    && apt-get install -y --no-install-recommends libgomp1 \
-    && rm -rf /var/lib/apt/lists/*
 RUN groupadd --system --gid 10001 tandem \
     && useradd --system --uid 10001 --gid tandem --no-create-home --home-dir /tmp \
         --shell /usr/sbin/nologin tandem \

@@ -54,14 +54,15 @@ $(STAMP): pyproject.toml | $(PY)
 # while everything else installs); LLAMA_CPP=skip leaves it out of `make install`.
 LLAMA_CPP ?= build
 LLAMA_CPP_WHEELS ?=
-# GGML_OPENMP=OFF: ggml's own thread pool, not OpenMP. torch's OpenMP runtime is loaded first and
+# GGML_OPENMP=OFF: ggml's own thread pool, not OpenMP (--no-cache-dir: pip's cache of built
+# wheels does not key on CMAKE_ARGS). torch's OpenMP runtime is loaded first and
 # ggml would share it, with the wait policy Tandem sets for torch (OMP_WAIT_POLICY=PASSIVE), under
 # which llama.cpp's threads sleep at every operation's barrier (a 1.5B Q4_K_M token: 80 ms, not 51).
 LLAMA_CMAKE_ARGS := -DLLAMA_CURL=OFF -DLLAVA_BUILD=OFF -DGGML_OPENMP=OFF $(if $(filter cuda,$(DEVICE)),-DGGML_CUDA=on,)
 llama-cpp: | $(PY)
 	@echo "installing llama-cpp-python $(LLAMA_CPP_VERSION) for the llama.cpp draft backend ($(DEVICE)$(if $(LLAMA_CPP_WHEELS),, built from source))"
 	@CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PY) -m pip install \
-	  $(if $(LLAMA_CPP_WHEELS),--find-links $(LLAMA_CPP_WHEELS),--no-binary llama-cpp-python) \
+	  $(if $(LLAMA_CPP_WHEELS),--find-links $(LLAMA_CPP_WHEELS),--no-binary llama-cpp-python --no-cache-dir) \
 	  "llama-cpp-python==$(LLAMA_CPP_VERSION)" \
 	  || echo "make: llama-cpp-python did not build here; Tandem installs without it, and drafts" \
 	          "run on transformers (tandem draft-service --backend transformers)"
@@ -71,7 +72,7 @@ llama-cpp: | $(PY)
 llama-cpp-wheel:
 	@test -n "$(LLAMA_CPP_WHEELS)" || { echo "make llama-cpp-wheel LLAMA_CPP_WHEELS=DIR"; exit 2; }
 	@rm -rf $(LLAMA_CPP_WHEELS)/.venv && $(PYTHON) -m venv $(LLAMA_CPP_WHEELS)/.venv
-	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(LLAMA_CPP_WHEELS)/.venv/bin/python -m pip wheel --no-deps \
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(LLAMA_CPP_WHEELS)/.venv/bin/python -m pip wheel --no-deps --no-cache-dir \
 	  --no-binary llama-cpp-python -w $(LLAMA_CPP_WHEELS) "llama-cpp-python==$(LLAMA_CPP_VERSION)"
 
 up: install

@@ -50,6 +50,11 @@ def make_model(path: Path, *, seed: int, chars: str = DEFAULT_CHARS, eos_token_i
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).eval()  # type: ignore[no-untyped-call]
+    if attention_bias:  # transformers starts biases at zero, where losing one would show nowhere
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith(".bias"):
+                    param.normal_(0.0, init_std)
     model.generation_config = GenerationConfig(eos_token_id=eos_token_id, pad_token_id=eos_token_id)  # type: ignore[no-untyped-call]
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)

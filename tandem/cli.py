@@ -318,9 +318,10 @@ def _up(args: argparse.Namespace) -> None:
 
     on_llama = llama.available() and models.find_gguf(args.draft) is not None
     # The target service's --backend auto on a CPU: a model both backends run is timed on each.
-    target_timed = args.device == "cpu" and llama.available() and args.target in models.BUILTIN_MODELS
+    target_timed = args.target_backend == models.AUTO and args.device == "cpu" and llama.available() \
+        and args.target in models.BUILTIN_MODELS
     target_on = f"llama.cpp or transformers {target_dtype}, the faster as timed at start-up" \
-        if target_timed else target_dtype
+        if target_timed else "llama.cpp, its GGUF file" if args.target_backend == "llama.cpp" else target_dtype
     print(f"starting draft {args.draft} "
           f"({'llama.cpp, its GGUF file' if on_llama else draft_dtype}"
           f"{', quantize ' + quantize if quantize and not on_llama else ''}) and target {args.target} "
@@ -338,7 +339,8 @@ def _up(args: argparse.Namespace) -> None:
         stack = start_stack(args.draft, args.target, draft_dtype=draft_dtype,
                             target_dtype=target_dtype, threads=0, port=args.port, host=args.host,
                             draft_args=[*device, *(["--quantize", quantize] if quantize else [])],
-                            target_args=device, log_dir=logs, on_ready=ready,
+                            target_args=[*device, "--backend", args.target_backend], log_dir=logs,
+                            on_ready=ready,
                             orchestrator_args=["--http-port", str(args.http_port)]
                             if args.http_port >= 0 else [])
     except KeyboardInterrupt:
@@ -490,6 +492,10 @@ def _add_up_arguments(up: argparse.ArgumentParser) -> None:
                          "times each path at start-up and keeps the faster), default (torch's "
                          "own kernels) or onednn (prepacked weights) [env TANDEM_MATMUL; "
                          "default auto]")
+    up.add_argument("--target-backend", default=os.environ.get("TANDEM_TARGET_BACKEND", "auto"),
+                    help="what runs the target: llama.cpp (its GGUF file), transformers, or auto: "
+                         "on a CPU, each timed at start-up and the faster kept [env "
+                         "TANDEM_TARGET_BACKEND; default auto]")
     up.add_argument("--host", default="127.0.0.1",
                     help="address the orchestrator binds (the draft and target stay on 127.0.0.1)")
     up.add_argument("--port", type=int, default=os.environ.get("TANDEM_PORT", "50051"),

@@ -19,8 +19,9 @@ import pytest
 from fakes import Output, stop
 from tiny import greedy_reference, speculated
 
-from tandem import models
+from tandem import llama, models
 from tandem.client import TandemClient
+from tandem.launch import Stack, start_stack
 
 # Loading the 1.5B target (here and in `tandem up`) takes minutes on a CPU: more than the
 # suite's per-test timeout allows the first test, whose setup does both.
@@ -44,12 +45,13 @@ def references() -> dict[str, list[int]]:
 
 @pytest.fixture(scope="module")
 def tandem_up(references: dict[str, list[int]], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """`tandem up` on port 0; the address is read back from its ready line. float32 on
-    oneDNN's packed kernels, as the references are (auto would pick bfloat16 on a CPU with
-    bf16 instructions, and the matmul path by timing)."""
+    """`tandem up` on port 0; the address is read back from its ready line. The target on
+    transformers in float32 on oneDNN's packed kernels, as the references are (auto would pick
+    llama.cpp where it is installed, bfloat16 on a CPU with bf16 instructions, and the matmul
+    path by timing)."""
     logs = tmp_path_factory.mktemp("logs")
     proc = subprocess.Popen([sys.executable, "-m", "tandem.cli", "up", "--port", "0", "--http-port", "0",
-                             "--dtype", "float32", "--matmul", "onednn",
+                             "--dtype", "float32", "--matmul", "onednn", "--target-backend", "transformers",
                              "--log-dir", str(logs)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)  # its own group: killed with its services below
@@ -92,3 +94,57 @@ def test_real_pair_speculation_saves_target_passes(tandem_up: str, references: d
     assert tokens == references[prompt]
     assert usage.accepted_tokens > 0
     assert usage.target_forward_passes < LENGTH  # speculation saved target passes
+
+
+# --- the target's own GGUF file on llama.cpp ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llama_stack() -> Iterator[Stack]:
+    if not llama.available():
+        pytest.skip("llama-cpp-python is not installed")
+    stack = start_stack(models.DEFAULT_DRAFT, models.DEFAULT_TARGET, threads=0,
+                        draft_args=["--backend", "llama.cpp"], target_args=["--backend", "llama.cpp"])
+    yield stack
+    stack.stop()
+
+
+def llama_greedy(ids: list[int], length: int) -> tuple[list[int], list[float]]:
+    """llama.cpp's own greedy decoding of the target file, one token a pass, in this process;
+    and the gap between the top two logits at each token."""
+    from tandem.batching import Pass
+    from tandem.kv import KVSession
+
+    path = models.find_gguf(models.DEFAULT_TARGET)
+    engine = llama.LlamaEngine(str(path), context_tokens=1024, max_batch_tokens=64, threads=1)
+    try:
+        session = KVSession("reference", engine.vocab_size, new_cache=engine.new_cache)
+        logits = engine.single(Pass(session, 0, tuple(ids))).logits[-1]
+        tokens, gaps = [], []
+        for i in range(length):
+            top = logits.topk(2).values
+            tokens.append(int(logits.argmax()))
+            gaps.append(float(top[0] - top[1]))
+            logits = engine.single(Pass(session, len(ids) + i, (tokens[-1],))).logits[-1]
+        return tokens, gaps
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_the_llama_target_decodes_as_llama_cpp_does_and_speculation_parts_only_at_near_ties(
+        llama_stack: Stack, prompt: str) -> None:
+    """k = 0 through the services is llama.cpp's own one-token decoding of the file, token for
+    token. k = 4 scores blocks, whose rows llama.cpp rounds differently (docs/ARCHITECTURE.md,
+    "Exact on llama.cpp"): its output follows k = 0's up to a token where k = 0's top two
+    logits were within that rounding, if it parts at all."""
+    ids = models.load_tokenizer(models.DEFAULT_TARGET).encode(prompt)
+    reference, gaps = llama_greedy(ids, LENGTH)
+    with llama_stack.client() as client:
+        alone = list(client.generate(ids, max_new_tokens=LENGTH, num_speculative_tokens=0,
+                                     ignore_eos=True).token_ids)
+        tokens, usage = speculated(client, ids, LENGTH, 4)
+    assert alone == reference
+    parted = next((i for i, (a, b) in enumerate(zip(tokens, reference, strict=True)) if a != b), None)
+    assert parted is None or gaps[parted] < 1.0, (parted, gaps)  # twice the 0.5 a logit moved
+    assert usage.accepted_tokens > 0

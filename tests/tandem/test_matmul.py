@@ -55,6 +55,22 @@ def test_onednn_packs_every_linear_and_holds_its_weight_once(tiny_target: Path) 
     assert torch.equal(got.argmax(-1), expected.argmax(-1))
 
 
+def test_a_packed_model_with_biases_computes_what_the_unpacked_one_does(tmp_path: Path) -> None:
+    """A reference outside the path: the same weights unpacked. Its square projections (q and
+    o) and the others carry biases, as Qwen2's do; a bias lost in packing moves the logits."""
+    from tiny import make_model
+
+    path = make_model(tmp_path / "biased", seed=3, attention_bias=True)
+    model, reference = tiny_model(path), tiny_model(path)
+    assert {name.split(".")[-2] for name, _ in model.named_parameters() if name.endswith(".bias")} \
+        == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    assert matmul.apply(model, "onednn", matmul.TIMED_ROWS) == ("onednn", None)
+    ids = torch.tensor([[1, 5, 7, 9, 3, 4, 8]])
+    with torch.inference_mode():
+        torch.testing.assert_close(model(input_ids=ids).logits, reference(input_ids=ids).logits,
+                                   atol=1e-4, rtol=1e-4)
+
+
 def test_auto_packs_exactly_the_shapes_it_timed_faster(tiny_target: Path) -> None:
     model = tiny_model(tiny_target)
     shapes = {(layer.in_features, layer.out_features) for _, _, layer in matmul.linear_layers(model)}
