@@ -134,6 +134,11 @@ class BatchTable:
         return None
 
 
+#: Steps decoded plain before the policy drafts one token to measure the draft again, and the
+#: most that grows to while probes keep finding drafting unprofitable.
+PROBE_EVERY, PROBE_MAX = 16, 256
+
+
 @dataclass
 class CostModel:
     """Running costs of this deployment, shared by all requests of one orchestrator."""
@@ -150,6 +155,13 @@ class CostModel:
     batch_sessions: Ema = field(default_factory=lambda: Ema(weight=0.2))
     queue_depth: Ema = field(default_factory=lambda: Ema(weight=0.2))
     deployment: Deployment = field(default_factory=Deployment)  # shared by every proposer
+    # Probing: after `probe_every` steps decoded plain (over every request), one step drafts a
+    # token to measure the draft again. A probe after which the policy still chooses k = 0
+    # doubles the interval (up to PROBE_MAX: each probe catches the draft up on all it missed);
+    # a step that drafts by choice brings it back to PROBE_EVERY.
+    idle_steps: int = 0
+    probe_every: int = PROBE_EVERY
+    probing: bool = False
 
     def verify(self, tokens: int) -> float | None:
         """v(tokens), or the nearest smaller measured pass (optimism); None: nothing that small."""
@@ -222,6 +234,7 @@ class CostModel:
         and the target's pass that served it (None: a replica that does not report it, taken
         as a pass of this step alone, as long as compute_ms); `fed`: the history tokens the
         draft took in with its block (1 in step; more: a catch-up)."""
+        self.idle_steps = 0 if k else self.idle_steps + 1
         if k > 0:
             t_draft = self.draft_ms_per_token.value
             if fed <= 2:  # in step (2: the draft sat out one step; too little to tell apart)
@@ -247,10 +260,8 @@ class Speculation:
     max_k: int
     costs: CostModel
     prior_weight: float = 8.0  # tested tokens' worth of trust in the deployment-wide alpha
-    probe_every: int = 16  # after this many steps without drafting, draft one token to re-measure
     tested: int = 0  # drafted tokens tested (see Acceptance)
     accepted: int = 0
-    idle_steps: int = 0
 
     def alpha(self) -> float:
         prior = self.costs.alpha.value if self.costs.alpha.value is not None else 0.7
@@ -268,7 +279,8 @@ class Speculation:
     def plain_run(self, remaining: int) -> int:
         """Tokens the target decodes alone, in one run, once the policy has chosen k = 0 after
         the prefill: until its next probe would draft again, and no further than the end."""
-        return max(1, min(remaining, self.probe_every - self.idle_steps % self.probe_every))
+        costs = self.costs
+        return max(1, min(remaining, costs.probe_every - costs.idle_steps % costs.probe_every))
 
     def _per_step(self, cap: int, lag: int = 1, remaining: int = 1) -> int:
         """The k that maximises tokens per unit of time (at most `cap`): this step's, and for a
@@ -295,9 +307,16 @@ class Speculation:
 
         catch_up = max(0, lag - 1) * (self.costs.draft_ms_per_fed_token.value or 0.0)
         best_k = best(catch_up)
+        costs = self.costs
+        if costs.probing and best_k == 0:  # the probe measured drafting unprofitable again
+            costs.probe_every = min(PROBE_MAX, 2 * costs.probe_every)
+        costs.probing = False
+        if best_k > 0:
+            costs.probe_every = PROBE_EVERY
         # Speculation looked unprofitable for a while: check whether it still is, unless only
         # the catch-up stands in its way (too few tokens left to earn it back: nothing to learn).
-        if best_k == 0 and self.idle_steps >= self.probe_every and (not catch_up or best(0.0) == 0):
+        if best_k == 0 and costs.idle_steps >= costs.probe_every and (not catch_up or best(0.0) == 0):
+            costs.probing = True
             return 1
         return best_k
 
@@ -307,5 +326,4 @@ class Speculation:
         pass, the draft having taken in `fed` history tokens first."""
         self.tested += tested_tokens(k, accepted)
         self.accepted += accepted
-        self.idle_steps = 0 if k else self.idle_steps + 1
         self.costs.observe(k, accepted, draft_ms, verify_ms, step_ms, verify_tokens, load, fed)

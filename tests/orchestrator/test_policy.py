@@ -6,6 +6,7 @@ import pytest
 
 from orchestrator.domain import PassLoad
 from orchestrator.policy import (
+    PROBE_EVERY,
     Acceptance,
     BatchTable,
     CostModel,
@@ -23,6 +24,7 @@ def measured(draft_ms: float, verify: dict[int, float], alpha: float) -> CostMod
         costs.observe(0, 0, 0.0, ms, ms, size)
     costs.overhead_ms.value = 0.0
     costs.alpha = Acceptance(accepted=alpha, tested=1.0)
+    costs.idle_steps = 0  # the passes above were timings, not plain steps of a request
     return costs
 
 
@@ -66,10 +68,34 @@ def test_adaptive_uses_the_requests_own_acceptance() -> None:
 def test_adaptive_probes_after_idle_steps() -> None:
     costs = measured(draft_ms=60, verify={n: 400 * n for n in range(1, 6)}, alpha=0.8)
     policy = Speculation("adaptive", 4, costs)
-    for _ in range(policy.probe_every):
+    for _ in range(costs.probe_every):
         assert policy.choose(remaining=100) == 0
         policy.observe(0, 0, 0.0, 400.0, 400.0, 1)
     assert policy.choose(remaining=100) == 1
+
+
+def test_probes_that_keep_finding_drafting_unprofitable_come_ever_less_often() -> None:
+    """Each probe catches the draft up on all it missed; on a deployment where drafting does
+    not pay (a llama.cpp target whose blocks cost their tokens one by one) the interval
+    doubles, and the next request starts from it: the costs are the deployment's."""
+    costs = measured(draft_ms=60, verify={n: 400 * n for n in range(1, 6)}, alpha=0.8)
+    gaps, plain = [], 0
+    for _ in range(3):  # requests
+        policy = Speculation("adaptive", 4, costs)
+        for _ in range(300):
+            k = policy.choose(remaining=1000)
+            if k:
+                gaps.append(plain)
+                plain = 0
+                policy.observe(k, 1, 60.0 * k, 800.0, 900.0, 2)
+            else:
+                plain += 1
+                policy.observe(0, 0, 0.0, 400.0, 400.0, 1)
+    assert gaps[:5] == [16, 32, 64, 128, 256]
+    assert set(gaps[5:]) == {256}
+    costs.verify_ms = {n: Ema(value=100.0) for n in range(1, 6)}  # blocks flat now: drafting pays
+    policy = Speculation("adaptive", 4, costs)
+    assert policy.choose(remaining=1000) > 0 and costs.probe_every == PROBE_EVERY
 
 
 def test_a_lagging_draft_drafts_only_where_enough_tokens_remain_to_earn_its_catch_up() -> None:
@@ -89,7 +115,7 @@ def test_no_probe_where_only_the_catch_up_stands_in_the_way() -> None:
     costs = measured(draft_ms=40, verify={1: 200, 5: 210}, alpha=0.8)
     costs.draft_ms_per_fed_token.value = 10.0
     policy = Speculation("adaptive", 4, costs)
-    policy.idle_steps = policy.probe_every
+    costs.idle_steps = costs.probe_every
     assert policy.choose(remaining=5, lag=100) == 0  # too few tokens left to earn it back
     costs.draft_ms_per_token.value = 400.0  # drafting does not pay even in step: probe it
     assert policy.choose(remaining=5, lag=100) == 1
