@@ -70,7 +70,7 @@ async def speculate(gen: Generation, proposer: Proposer | None, target: TargetSe
             started = time.perf_counter()
             prefill, target_synced = target.synced == 0, target.synced
             lag = proposer.lag(len(history)) if proposer is not None else 0
-            k = policy.choose(remaining, prefill, lag)
+            k = policy.choose(remaining, prefill, lag) if run is None else 0  # a run goes on to its end
             if run is None and proposer is not None and k == 0 and not prefill and remaining > 1:
                 run_left = policy.plain_run(remaining)
                 run = target.decode(history, gen.sampling, gen.seed, len(history) + run_left,

@@ -127,3 +127,15 @@ def warped_by_transformers(logits: torch.Tensor, params: SamplingParams) -> torc
     for warper in warpers:
         scores = warper(no_ids, scores)
     return torch.softmax(scores, -1)
+
+
+def assert_law_through(stack: Stack, target: Path, params: SamplingParams,
+                       proposer: str = "draft-model") -> None:
+    """Sample through `stack` (stopped afterwards): some drafted tokens were accepted and some
+    rejected, and the first three tokens follow the target's own law (chi-square)."""
+    try:
+        counts, accepted, drafted = sample_cells(stack, params, proposer)
+    finally:
+        stack.stop()
+    assert 0 < accepted < drafted
+    assert p_value(counts, exact_law(rows(target, params))) > ALPHA

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from laws import ALPHA, PARAMS_ID, T1, TRUNCATED, exact_law, p_value, rows, sample_cells, small_pair
+from laws import PARAMS_ID, T1, TRUNCATED, assert_law_through, small_pair
 from replicas import replica_state, wait_for_baseline
 from tiny import PROMPTS, greedy_reference, make_gguf, make_tokenizer, random_prompts, speculated
 from transformers import AutoModelForCausalLM
@@ -172,12 +172,7 @@ def test_sampled_law_holds_with_the_llama_draft(tiny_dir: Path, params: sampling
     target, draft = small_pair(tiny_dir)
     gguf = make_gguf(draft, tiny_dir / "v6-gguf")
     stack = start_stack(str(gguf.parent), str(target), draft_args=["--backend", "llama.cpp"])
-    try:
-        counts, accepted, drafted = sample_cells(stack, params, "draft-model")
-    finally:
-        stack.stop()
-    assert 0 < accepted < drafted
-    assert p_value(counts, exact_law(rows(target, params))) > ALPHA
+    assert_law_through(stack, target, params)
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from laws import ALPHA, PARAMS_ID, T1, TRUNCATED, exact_law, p_value, rows, sample_cells, small_pair
+from laws import PARAMS_ID, T1, TRUNCATED, assert_law_through, small_pair
 from tiny import make_draft_like, make_gguf, make_model, random_prompts, speculated
 from transformers import AutoModelForCausalLM
 
@@ -153,12 +153,7 @@ def test_sampled_law_holds_with_the_llama_target(tiny_dir: Path, params: samplin
     draft_gguf = make_gguf(draft, tiny_dir / "v6-draft-gguf-t")
     stack = start_stack(str(draft_gguf.parent), str(target_gguf.parent),
                         draft_args=["--backend", "llama.cpp"], target_args=["--backend", "llama.cpp"])
-    try:
-        counts, accepted, drafted = sample_cells(stack, params, "draft-model")
-    finally:
-        stack.stop()
-    assert 0 < accepted < drafted
-    assert p_value(counts, exact_law(rows(target, params))) > ALPHA
+    assert_law_through(stack, target, params)
 
 
 def test_auto_keeps_the_backend_expected_to_serve_more_tokens_with_speculation() -> None:
