@@ -268,6 +268,9 @@ class ModelHost:
         auto (a model both backends can run, on a CPU), on each in turn, timed at the pass sizes
         it will serve; the faster serves (`choose_backend`) and the other is dropped."""
         backend = self.config.backend
+        if backend == models.AUTO:  # as the CLI resolves it; a host built in code may leave it
+            gguf = models.find_gguf(self.config.model, self.config.gguf_file) if llama.available() else None
+            backend = TRANSFORMERS if gguf is None else models.AUTO if self.serves_decode_runs else LLAMA_CPP
         if backend == LLAMA_CPP:
             self._serve_llama(self._open_llama())
         elif backend == TRANSFORMERS:
