@@ -41,7 +41,8 @@ RUN pip install . \
 # llama.cpp, for GGUF drafts and CPU targets (`--backend llama.cpp`, and `auto` for the
 # built-in pair): llama-cpp-python built from source, for any x86-64 CPU (not this build
 # machine's), on ggml's own thread pool (the Makefile says why). NOTE: a CPU build in both variants; ggml's CUDA kernels need the CUDA toolkit,
-# which this python-slim stage lacks, so on GPU nodes llama.cpp runs on the CPU.
+# which this python-slim stage lacks, so on GPU nodes --backend auto keeps both models on
+# transformers (a CPU-only llama.cpp is never chosen for a --device other than cpu).
 ARG LLAMA_CPP_VERSION=0.3.36
 RUN apt-get update \
     && apt-get install -y --no-install-recommends build-essential cmake \

@@ -200,6 +200,10 @@ def _backend(cfg: Any, label: str) -> str:
     if label == "target-service" and cfg.backend == models.AUTO and cfg.device != "cpu" \
             and _transformers_loads(cfg.model):
         return TRANSFORMERS  # on a GPU: captured decode, token trees (a GGUF file alone: below)
+    if cfg.backend == models.AUTO and cfg.device != "cpu" and llama.available() and not llama.offloads_to_gpu():
+        log.info("%s: this llama-cpp-python runs on the CPU only: the model runs on transformers on %s",
+                 label, cfg.device)
+        return TRANSFORMERS
     if cfg.backend == models.AUTO and cfg.model in models.BUILTIN_MODELS and not llama.available():
         log.info("%s: llama-cpp-python is not installed: the built-in model runs on transformers",
                  label)

@@ -87,6 +87,11 @@ def _bindings() -> Any:
     return llama_cpp
 
 
+def offloads_to_gpu() -> bool:
+    """Whether this llama-cpp-python was built with a GPU backend (CUDA, ...)."""
+    return bool(_bindings().llama_supports_gpu_offload())
+
+
 def check(path: str) -> None:
     """Refuse, in one line, a file llama.cpp cannot load: its header, vocabulary and
     architecture are read and every tensor's place in the file checked, no weight loaded."""

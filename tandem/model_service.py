@@ -9,6 +9,7 @@ ends, however it ends.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -285,7 +286,9 @@ class ModelHost:
                      "; ".join(f"{b} " + ", ".join(f"{t}: {ms:.1f}" for t, ms in v.items())
                                for b, v in timings.items()))
             if chosen == LLAMA_CPP:
-                del on_hf  # its weights are freed
+                del on_hf
+                self.head = None  # the sliced head read the dropped model's weights
+                gc.collect()  # its weights are freed before the service takes requests
                 self._serve_llama(on_llama)
             else:
                 on_llama.engine.close()
