@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
     stack = up_stack()
     try:
         with stack.client() as client:
-            info = stack.targets[0]
+            target = stack.targets[0]
             for rep in range(args.repeats):
                 for i, prompt in enumerate(chosen):
                     ids = tokenizer.encode(prompt.text)
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
             _, wall, ttft, _, _ = tandem_run(client, long_prompt(tokenizer, args.long_prompt_tokens),
                                              GREEDY, 8, 1, None)
             results["long_prompt_ttft_s"] = ttft
-            results["backend_choice"] = [line for line in info.lines if "--backend auto" in line]
+            results["backend_choice"] = [line for line in target.lines if "--backend auto" in line]
     finally:
         stack.stop()
     if args.float32_ttft:
