@@ -77,6 +77,10 @@ class DraftService(ModelServicer, draft_pb2_grpc.DraftServiceServicer):
                 drafted, hit = 0, False
                 step = step_from(request, session, None if told is None else len(told))
                 history = (told or [])[:step.cache_position] + step.new_token_ids
+                # A fresh session's first step: its cache starts from the longest kept prefix of
+                # the history, and its first pass feeds only the rest (the drafter feeds what its
+                # cache does not hold).
+                cached = self.host.reuse_prefix(session, history) if told is None else 0
                 if ahead is not None:
                     drafted, hit = await ahead.end(session, history)
                     ahead = None
@@ -106,6 +110,7 @@ class DraftService(ModelServicer, draft_pb2_grpc.DraftServiceServicer):
                     pass_split=split_to_proto(session.take_split()),
                     prebuilt_tokens=block.reused,
                     ahead_hit=hit,
+                    cached_token_count=cached,
                 )
                 told = history + list(block.token_ids[:-1])
                 if depth:

@@ -104,6 +104,7 @@ class DraftBlock:
     prebuilt: int = -1  # tokens drafted ahead, before the step asked (-1: not drafting ahead)
     ahead_hit: bool = False  # the step's history was the branch the draft guessed and drafted
     split: PassSplit = NO_SPLIT  # the draft replica's passes for it, by stage
+    cached: int = 0  # history tokens the draft replica took from its prefix cache
 
 
 #: Nothing proposed: the target scores no draft, a plain target step (k=0).
@@ -130,6 +131,7 @@ class TargetScores:
     compute_ms: float
     load: PassLoad | None = None  # None: a replica that does not report it
     split: PassSplit = NO_SPLIT  # the target's pass for it, by stage
+    cached: int = 0  # history tokens the target replica took from its prefix cache
 
 
 @dataclass(frozen=True)
@@ -142,6 +144,7 @@ class TreeCommit:
     cache_length: int
     compute_ms: float
     split: PassSplit = NO_SPLIT  # the target's pass for it, by stage
+    cached: int = 0  # history tokens the target replica took from its prefix cache
 
 
 #: What a target step answers: the kind matches what the step sent.
@@ -183,6 +186,9 @@ class Step:
     cycle_ms: float = 0.0
     draft_split: PassSplit = NO_SPLIT  # the replicas' passes for this step, by stage
     target_split: PassSplit = NO_SPLIT
+    # History tokens the replicas took from their prefix caches (a session's first step).
+    draft_cached: int = 0
+    target_cached: int = 0
 
     @property
     def orchestrator_ms(self) -> float:
@@ -220,6 +226,8 @@ class Usage:
     target_passes: PassSplit = NO_SPLIT
     orchestrator_ms: float = 0.0
     replica_wire_ms: float = 0.0
+    target_cached_tokens: int = 0  # prompt tokens the target took from its prefix cache
+    draft_cached_tokens: int = 0  # and the draft
 
     def fold(self, step: Step, kept: int) -> Usage:
         """This usage after `step`, of whose tokens the first `kept` were delivered (a stop
@@ -239,7 +247,9 @@ class Usage:
             draft_passes=self.draft_passes + (NO_SPLIT if step.prefill else step.draft_split),
             target_passes=self.target_passes + (NO_SPLIT if step.prefill else step.target_split),
             orchestrator_ms=self.orchestrator_ms + (0.0 if step.prefill else step.orchestrator_ms),
-            replica_wire_ms=self.replica_wire_ms + (0.0 if step.prefill else step.replica_wire_ms))
+            replica_wire_ms=self.replica_wire_ms + (0.0 if step.prefill else step.replica_wire_ms),
+            target_cached_tokens=self.target_cached_tokens + step.target_cached,
+            draft_cached_tokens=self.draft_cached_tokens + step.draft_cached)
 
 
 @dataclass(frozen=True)

@@ -430,5 +430,8 @@ def _observe(step: Step, *, first: bool, started: float) -> None:
     if step.drafted and not step.prefill and step.draft_hit is not None:
         metrics.DRAFT_WAIT_SECONDS.observe(step.draft_wait_ms / 1000.0)
         metrics.DRAFT_CACHE.labels("hit" if step.draft_hit else "miss").inc()
+    for service, cached in (("draft", step.draft_cached), ("target", step.target_cached)):
+        if cached:
+            metrics.CACHED_PROMPT_TOKENS.labels(service).inc(cached)
     if first and step.token_ids:
         metrics.TIME_TO_FIRST_TOKEN.observe(time.perf_counter() - started)

@@ -180,6 +180,10 @@ def finish_reason(reason: FinishReason) -> str:
 def usage_json(usage: Usage) -> dict[str, Any]:
     return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
             "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+            # OpenAI's: the prompt tokens the target's prefix cache served (a session rebuilt after
+            # a replica lost it may reuse generated tokens too: capped at the prompt).
+            "prompt_tokens_details": {"cached_tokens": min(usage.target_cached_tokens, usage.prompt_tokens)},
+            "draft_cached_tokens": usage.draft_cached_tokens,
             # Tandem's own: how much speculation saved, per request.
             "drafted_tokens": usage.drafted_tokens, "accepted_tokens": usage.accepted_tokens,
             "target_forward_passes": usage.target_forward_passes, "proposer": usage.proposer,

@@ -362,7 +362,8 @@ class DraftSession(RemoteSession):
         probs = tuple(d.probs[d.token_ids.index(t)] for t, d in zip(response.token_ids, dists))
         return DraftBlock(tuple(response.token_ids), dists, probs, response.cache_length,
                           response.compute_ms, response.prebuilt_tokens if ahead else -1,
-                          response.ahead_hit, split_from_proto(response.pass_split))
+                          response.ahead_hit, split_from_proto(response.pass_split),
+                          response.cached_token_count)
 
 
 @dataclass

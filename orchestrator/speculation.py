@@ -144,7 +144,7 @@ async def speculate(gen: Generation, proposer: Proposer | None, target: TargetSe
                        draft_wait_ms=wait_ms,
                        draft_hit=None if block.prebuilt < 0 or not block.token_ids else block.ahead_hit,
                        target_call_ms=(answered - called) * 1000.0, cycle_ms=cycle_ms, draft_split=block.split,
-                       target_split=result.split)
+                       target_split=result.split, draft_cached=block.cached, target_cached=result.cached)
             if finished_by_eos:
                 return
     finally:

@@ -124,11 +124,13 @@ def target_result_from_proto(proto: target_pb2.ScoreBlocksResponse) -> TargetRes
         return TargetScores(sampling.ScoredBlock(tuple(scores.target_probs),
                                                  tuple(scores.recovered_token_ids),
                                                  scores.bonus_token_id),
-                            proto.cache_length, proto.compute_ms, load, split_from_proto(proto.pass_split))
+                            proto.cache_length, proto.compute_ms, load, split_from_proto(proto.pass_split),
+                            proto.cached_token_count)
     if kind == "verified_tree":
         tree = proto.verified_tree
         return TreeCommit(tuple(tree.committed_token_ids), tree.proposed_token_count,
-                          proto.cache_length, proto.compute_ms, split_from_proto(proto.pass_split))
+                          proto.cache_length, proto.compute_ms, split_from_proto(proto.pass_split),
+                          proto.cached_token_count)
     return None
 
 
@@ -172,7 +174,8 @@ def usage_to_proto(usage: Usage, wire_bytes: int, total_ms: float) -> orchestrat
         total_ms=total_ms, draft_wait_ms=usage.draft_wait_ms,
         draft_cache_hits=usage.draft_cache_hits, draft_cache_misses=usage.draft_cache_misses,
         draft_passes=split_to_proto(usage.draft_passes), target_passes=split_to_proto(usage.target_passes),
-        orchestrator_ms=usage.orchestrator_ms, replica_wire_ms=usage.replica_wire_ms)
+        orchestrator_ms=usage.orchestrator_ms, replica_wire_ms=usage.replica_wire_ms,
+        target_cached_tokens=usage.target_cached_tokens, draft_cached_tokens=usage.draft_cached_tokens)
 
 
 def delta_to_proto(delta: Delta) -> orchestrator_pb2.GenerateResponse:

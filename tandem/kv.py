@@ -26,6 +26,7 @@ from tandem.errors import (
     SessionEvicted,
 )
 from tandem.lm import CausalLM, Rows
+from tandem.prefix import PrefixCache
 from tandem.split import NO_SPLIT, PassSplit
 
 
@@ -259,6 +260,16 @@ def fork_cache(cache: Any, length: int) -> Any:
     return branch
 
 
+def copy_cache(cache: DynamicCache) -> DynamicCache:
+    """A copy of `cache` whose layers hold tensors of their own."""
+    held: DynamicCache = fork_cache(cache, cache.get_seq_length())
+    layer: Any
+    for layer in held.layers:
+        if getattr(layer, "keys", None) is not None:
+            layer.keys, layer.values = layer.keys.clone(), layer.values.clone()
+    return held
+
+
 def last_rows(n: int, keep: int, device: torch.device) -> torch.Tensor:
     """`logits_to_keep` for the last `keep` of n rows, as indices: the model then gathers them
     into a fresh tensor. An int makes it slice a strided view, which torch (2.13, CPU, bf16)
@@ -277,11 +288,18 @@ class SessionTable:
     BudgetHeld). An evicted session's next step gets NOT_FOUND and the orchestrator rebuilds it
     from its history. A step that cannot fit even so gets RESOURCE_EXHAUSTED, never an
     out-of-memory kill. The table, like its sessions, belongs to the event loop.
+
+    With a prefix cache (`prefix`), a session that ends leaves its cache there (`close`), a
+    session's first step may start from it (`start_from_prefix`), and its entries count in the
+    budget: they are evicted before any session's cache, after idle sessions' tails.
     """
 
-    def __init__(self, max_sessions: int, kv_budget_tokens: int = 0) -> None:
+    def __init__(self, max_sessions: int, kv_budget_tokens: int = 0,
+                 prefix: PrefixCache | None = None) -> None:
         self.max_sessions = max_sessions
         self.kv_budget_tokens = kv_budget_tokens  # 0: no budget
+        self.prefix = prefix
+        self._keeping: set[asyncio.Future[None]] = set()  # closed sessions waiting to be kept
         self._sessions: dict[int, KVSession] = {}
         self._next = 0
         self._clock = 0
@@ -340,7 +358,8 @@ class SessionTable:
             return max(s.reserved, s.length)
 
         others = [s for s in self._sessions.values() if s is not session]
-        claimed = max(tokens, session.length) + sum(map(claim, others))
+        kept = self.prefix.tokens if self.prefix is not None else 0
+        claimed = max(tokens, session.length) + sum(map(claim, others)) + kept
         if claimed > budget and not evict:
             raise BudgetHeld(f"no free room in the KV budget ({budget} tokens)")
         for s in others:  # tails first: the cheapest room, as nobody has asked for them yet
@@ -349,6 +368,10 @@ class SessionTable:
                 s.trim_tail()
                 s.reserved = min(s.reserved, s.length)
                 claimed -= before - claim(s)
+        # Then kept prefixes, least recently used first: a cache of what may come again, where
+        # an idle session's cache is what will.
+        while claimed > budget and self.prefix is not None and (freed := self.prefix.evict_one()):
+            claimed -= freed
         # Only sessions between steps are evicted, least recently used first: evicting one
         # in the middle of its step would throw its work away, and under pressure sessions
         # would evict each other's steps forever. Room held by steps under way frees when
@@ -386,11 +409,43 @@ class SessionTable:
         session.reserved = session.length
         self.changed()
 
+    def start_from_prefix(self, session: KVSession, token_ids: list[int]) -> int:
+        """Before a fresh session's first pass over `token_ids` (its whole history): give it a
+        copy of the longest kept prefix of them, all but the last token at most (whose logits
+        the step reads); how many tokens that gave it (0: none, and nothing changed)."""
+        if self.prefix is None or session.length or session.evicted or session.token_ids:
+            return 0
+        found = self.prefix.lookup(token_ids, len(token_ids) - 1)
+        if found is None:
+            return 0
+        session.cache, length = found
+        session.token_ids = list(token_ids[:length])
+        return length
+
     def close(self, handle: int) -> None:
         session = self._sessions.pop(handle, None)
         if session is not None:
             session.closed = True
+            if self.prefix is not None and not session.evicted:
+                if session.pending:  # a pass still queued or running (drafting ahead's, say)
+                    self._keeping.add(task := asyncio.ensure_future(self._keep(session)))
+                    task.add_done_callback(self._keeping.discard)
+                else:
+                    self._keep_now(session)
         self.changed()
+
+    async def _keep(self, session: KVSession) -> None:
+        """Once its passes are over (they were cancelled with its stream), keep its cache."""
+        await session.still()
+        if not session.evicted:
+            self._keep_now(session)
+            self.changed()
+
+    def _keep_now(self, session: KVSession) -> None:
+        assert self.prefix is not None
+        session.trim_tail()  # what it drafted ahead: guesses nobody asked for
+        self.prefix.insert(session.held_tokens, session.cache)
+        session.cache = session.new_cache()
 
 
 def _wake(waiters: list[asyncio.Future[None]]) -> None:

@@ -81,6 +81,9 @@ DRAFTLESS_REQUESTS = Counter("tandem_draftless_requests",
 SESSION_REBUILDS = Counter("tandem_session_rebuilds",
                            "Sessions rebuilt from the history after a replica lost them (died, "
                            "restarted, evicted the KV cache), by service.", ["service"])
+CACHED_PROMPT_TOKENS = Counter("tandem_cached_prompt_tokens",
+                               "History tokens the replicas took from their prefix caches instead of "
+                               "computing them, by service (draft or target).", ["service"])
 DRAFT_FALLBACKS = Counter("tandem_draft_fallbacks",
                           "Requests that went on with the target alone after losing every draft "
                           "replica mid-request.")
@@ -136,6 +139,16 @@ STEP_SECONDS = Histogram("tandem_replica_step_duration_seconds",
                          ["model"], buckets=SECONDS_BUCKETS)
 KV_CACHED_TOKENS = Gauge("tandem_kv_cached_tokens",
                          "Tokens held in this replica's KV caches, over all sessions.", ["model"])
+PREFIX_LOOKUPS = Counter("tandem_prefix_cache_lookups",
+                        "Fresh sessions' first steps looked up in this replica's prefix cache, by "
+                        "outcome: hit (a kept prefix was reused) or miss.", ["model", "outcome"])
+PREFIX_REUSED_TOKENS = Counter("tandem_prefix_cache_reused_tokens",
+                               "Prompt tokens whose KV came from the prefix cache (not computed).",
+                               ["model"])
+PREFIX_EVICTIONS = Counter("tandem_prefix_cache_evictions",
+                           "Kept prefixes dropped for room (least recently used first).", ["model"])
+PREFIX_HELD_TOKENS = Gauge("tandem_prefix_cache_tokens",
+                           "Tokens held in this replica's prefix cache.", ["model"])
 BATCH_SESSIONS = Histogram("tandem_batch_sessions", "Sessions whose steps shared one forward pass.",
                            ["model"], buckets=(1, 2, 4, 8, 16, 32, 64, 128))
 BATCH_TOKENS = Histogram("tandem_batch_tokens", "Tokens in one forward pass, over its sessions.",
@@ -267,6 +280,18 @@ class ReplicaMetrics:
 
     def kv_total(self, tokens: int) -> None:
         self.kv_cached_tokens.set(tokens)
+
+    def prefix_lookup(self, reused: int) -> None:
+        """A fresh session's first step looked up in the prefix cache: `reused` tokens came
+        from it (0: a miss)."""
+        PREFIX_LOOKUPS.labels(self.model, "hit" if reused else "miss").inc()
+        PREFIX_REUSED_TOKENS.labels(self.model).inc(reused)
+
+    def prefix_evicted(self) -> None:
+        PREFIX_EVICTIONS.labels(self.model).inc()
+
+    def prefix_held(self, tokens: int) -> None:
+        PREFIX_HELD_TOKENS.labels(self.model).set(tokens)
 
 
 @dataclass

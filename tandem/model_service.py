@@ -25,9 +25,10 @@ from transformers import AutoConfig, AutoTokenizer, DynamicCache
 from tandem import batching, decode_graph, head, host, llama, matmul, models, parallel, topology
 from tandem.config import option
 from tandem.errors import BudgetHeld, InvalidRequest, Unavailable
-from tandem.kv import KVSession, SessionTable
+from tandem.kv import KVSession, SessionTable, copy_cache, fork_cache
 from tandem.lm import Capabilities, CausalLM
 from tandem.metrics import ReplicaMetrics
+from tandem.prefix import PrefixCache
 from tandem.sampling import SamplingParams, validate
 from tandem.security import ServerSecurityConfig
 from tandem.server import MAX_MESSAGE_BYTES, handle_errors, serve_liveness
@@ -54,6 +55,11 @@ def boot_id() -> str:
     except OSError:
         return ""
 R = TypeVar("R")
+# The prefix cache's bound where no KV budget sets one (--prefix-cache-tokens 0).
+DEFAULT_PREFIX_TOKENS = 16384
+# Entries the prefix cache keeps at most: on llama.cpp each holds one of its sequences.
+PREFIX_ENTRIES = 64
+LLAMA_PREFIX_ENTRIES = 32
 # How long a step waits for room in the KV budget held by running passes before RESOURCE_EXHAUSTED.
 BUDGET_WAIT_S = 30.0
 
@@ -129,6 +135,14 @@ class ModelServiceConfig(ServerSecurityConfig):
                                    "needs room, idle sessions' caches are evicted least recently "
                                    "used first and rebuilt from history on their next step (0: "
                                    "no budget; the log gives the bytes per token)")
+    prefix_cache: str = option("on", "on: the KV of a finished session is kept, and a new session "
+                               "whose prompt starts with kept tokens computes only the rest "
+                               "(conversations, shared system prompts); off: every session "
+                               "computes its whole prompt")
+    prefix_cache_tokens: int = option(0, "most tokens the prefix cache keeps (0: the KV budget where "
+                                      "--kv-budget-tokens or llama.cpp's context sets one, since "
+                                      "kept prefixes are evicted before any session's cache; else "
+                                      f"{DEFAULT_PREFIX_TOKENS})")
     max_message_bytes: int = option(MAX_MESSAGE_BYTES, "largest request message accepted, in "
                                     "bytes; a larger one gets RESOURCE_EXHAUSTED")
     lookahead: str = option("5,3,5", "target only: Lookahead decoding's window W, n-gram size N and "
@@ -344,6 +358,14 @@ class ModelHost:
             # Compiled with the scheduler's hooks on the layers, as it will run.
             runner.decode = decode_graph.build(model, self.config.decode_graph, self.config.decode_graph_tokens,
                                                self.config.device)
+        window = models.sliding_window(model)
+        # A cache that a decode run's static slot may view is kept as a copy of its own (the
+        # slot is written over by its next owner); any other is kept as it is.
+        self._keep_prefixes(PREFIX_ENTRIES, copy_cache if runner.decode is not None else None,
+                            "its tensor-parallel ranks mirror each session's cache by identity"
+                            if group is not None else
+                            f"its attention has a sliding window ({window} tokens), whose cache "
+                            "cannot be cut to a shorter prefix" if window is not None else None)
         self.model = model
         log.info("loaded %s on %s (%s, matmul %s) in %.1fs, %d threads; passes (tokens: ms) "
                  "%s; KV cache: %d bytes per token, budget %s",
@@ -371,8 +393,10 @@ class ModelHost:
         assert isinstance(engine, llama.LlamaEngine) and path is not None
         budget = cfg.kv_budget_tokens or llama.DEFAULT_CONTEXT_TOKENS
         self.sessions.kv_budget_tokens = budget
-        # A draft keeps half its sequences for drafting ahead's copies; a target copies none.
-        most = llama.MAX_SEQUENCES if self.serves_decode_runs else llama.MAX_SEQUENCES // 2
+        # Kept prefixes hold sequences of their own; a draft keeps half the rest for drafting
+        # ahead's copies; a target copies none.
+        free = llama.MAX_SEQUENCES - (LLAMA_PREFIX_ENTRIES if cfg.prefix_cache == "on" else 0)
+        most = free if self.serves_decode_runs else free // 2
         if cfg.max_sessions > most:
             self.sessions.max_sessions = most
             log.info("--max-sessions %d: llama.cpp serves %d sequences here, so at most %d sessions",
@@ -398,6 +422,7 @@ class ModelHost:
             backend=LLAMA_CPP,
         )
         self.tokenizer, self.new_cache = tokenizer, engine.new_cache
+        self._keep_prefixes(LLAMA_PREFIX_ENTRIES, None, None)
         self.capabilities = Capabilities(LLAMA_CPP, token_trees=False, hidden_states=False,
                                          exact_positions=engine.trained_context)
         self.scheduler.start(engine, None)
@@ -407,6 +432,43 @@ class ModelHost:
                  engine.describe(), self.info.dtype, time.perf_counter() - opened.started, engine.threads,
                  ", ".join(f"{t}: {ms:.1f}" for t, ms in pass_times.items()),
                  engine.kv_bytes_per_token(), budget)
+
+    def _keep_prefixes(self, entries: int, keep: Callable[[Any], Any] | None, refusal: str | None) -> None:
+        """The prefix cache, where --prefix-cache is on and the model's caches allow it."""
+        cfg = self.config
+        if cfg.prefix_cache != "on":
+            return
+        if refusal is not None:
+            log.warning("prefix cache off: %s", refusal)
+            return
+        most = cfg.prefix_cache_tokens or self.sessions.kv_budget_tokens or DEFAULT_PREFIX_TOKENS
+        self.sessions.prefix = PrefixCache(
+            max_tokens=most, max_entries=entries, fork=fork_cache, keep=keep or (lambda cache: cache),
+            on_evict=lambda tokens: self.metrics.prefix_evicted(),
+            on_change=lambda: self.metrics.prefix_held(self.prefix_tokens))
+        log.info("prefix cache: up to %d tokens in %d entries, evicted before any session's cache",
+                 most, entries)
+
+    @property
+    def prefix_tokens(self) -> int:
+        return self.sessions.prefix.tokens if self.sessions.prefix is not None else 0
+
+    def reuse_prefix(self, session: KVSession, token_ids: list[int]) -> int:
+        """Before a fresh session's first pass over its whole history `token_ids`: start its
+        cache from the longest kept prefix (`SessionTable.start_from_prefix`); the tokens reused."""
+        if self.sessions.prefix is None or session.length or session.token_ids:
+            return 0
+        reused = self.sessions.start_from_prefix(session, token_ids)
+        self.metrics.prefix_lookup(reused)
+        return reused
+
+    def start_step(self, session: KVSession, step: Step) -> tuple[Step, int]:
+        """A target step as it runs: a fresh session's first step over its whole history starts
+        from the longest kept prefix of it and appends only the rest; and the tokens reused."""
+        if step.cache_position:
+            return step, 0
+        reused = self.reuse_prefix(session, step.new_token_ids)
+        return (Step(reused, step.new_token_ids[reused:]) if reused else step), reused
 
     def follow(self, label: str) -> None:
         """A follower rank's life: load its shard, then repeat rank 0's forward calls.

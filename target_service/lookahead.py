@@ -165,8 +165,9 @@ class LookaheadProposer:
     def state(self, session: KVSession, new_token_ids: list[int]) -> LookaheadState:
         state = session.proposer_state.get(STATE_KEY)
         if not isinstance(state, LookaheadState):
-            # No state: the session is new or its cache was rebuilt, so new_token_ids is the history.
-            state = LookaheadState(seed_window(new_token_ids, self.config),
+            # No state: the session is new or its cache was rebuilt (or started from a kept
+            # prefix), so what it holds and new_token_ids are the history.
+            state = LookaheadState(seed_window([*session.held_tokens, *new_token_ids], self.config),
                                    NgramPool(self.config.candidates))
             session.proposer_state[STATE_KEY] = state
         return state

@@ -106,6 +106,7 @@ class TargetService(ModelServicer, target_pb2_grpc.TargetServiceServicer):
             step = step_from(request, session)
             params = sampling_from(request.sampling)
             history = step.cache_position + len(step.new_token_ids)
+            step, cached = self.host.start_step(session, step)
             kind = request.WhichOneof("proposal")
             if kind == "target_proposal":
                 proposer = self._proposer(request.target_proposal)
@@ -115,6 +116,7 @@ class TargetService(ModelServicer, target_pb2_grpc.TargetServiceServicer):
                     step, proposer, params, request.seed, exact_positions)
                 yield target_pb2.ScoreBlocksResponse(
                     cache_length=verified.cache_length, compute_ms=ms, **self._load(session),
+                    cached_token_count=cached,
                     verified_tree=target_pb2.VerifiedTree(
                         committed_token_ids=verified.committed_token_ids,
                         proposed_token_count=verified.proposed_count))
@@ -124,6 +126,7 @@ class TargetService(ModelServicer, target_pb2_grpc.TargetServiceServicer):
                                                       session, step, ids, dists, params, request.seed)
                 yield target_pb2.ScoreBlocksResponse(
                     cache_length=scored.cache_length, compute_ms=ms, **self._load(session),
+                    cached_token_count=cached,
                     block_scores=target_pb2.BlockScores(
                         target_probs=scored.scored.target_probs,
                         recovered_token_ids=scored.scored.recovered_token_ids,
@@ -136,7 +139,9 @@ class TargetService(ModelServicer, target_pb2_grpc.TargetServiceServicer):
                     async for scored, ms in tokens:
                         yield target_pb2.ScoreBlocksResponse(
                             cache_length=scored.cache_length, compute_ms=ms, **self._load(session),
+                            cached_token_count=cached,
                             block_scores=target_pb2.BlockScores(bonus_token_id=scored.scored.bonus_token_id))
+                        cached = 0  # told once, on the run's first token
             else:
                 raise InvalidRequest("the step sets no proposal: send draft_proposal (with no "
                                      "tokens for a plain target step), target_proposal or decode_run")

@@ -24,6 +24,9 @@ from tandem.sampling import SamplingParams
 ALPHA = 1e-3  # false-alarm rate of each law test
 SAMPLES = 3000
 PROMPT = [2, 3, 2]
+# A prompt long enough for the prefix cache (tandem.prefix.BLOCK_TOKENS and one more): every
+# request after the first starts from a kept prefix of it.
+LONG_PROMPT = [2, 3, 2, 4, 5, 3, 2, 2, 4, 3, 5, 5, 2, 3, 4, 2, 3, 2]
 VOCAB = 6
 MAX_NEW_TOKENS, K = 4, 2  # each request; k of its blocks
 T1 = SamplingParams(temperature=1.0)
@@ -40,19 +43,21 @@ def small_pair(directory: Path) -> tuple[Path, Path]:
 
 
 @functools.cache
-def continuation_logits(model_path: Path) -> tuple[list[tuple[int, ...]], torch.Tensor]:
-    """Every continuation of PROMPT by 3 tokens, and the logits after each of its prefixes
+def continuation_logits(model_path: Path, prompt: tuple[int, ...] = tuple(PROMPT)
+                        ) -> tuple[list[tuple[int, ...]], torch.Tensor]:
+    """Every continuation of `prompt` by 3 tokens, and the logits after each of its prefixes
     (lengths 0-3): [VOCAB**3, 4, vocab], from one plain forward pass of the model."""
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     continuations = list(itertools.product(range(VOCAB), repeat=3))
-    ids = torch.tensor([PROMPT + list(c) for c in continuations])
+    ids = torch.tensor([[*prompt, *c] for c in continuations])
     with torch.inference_mode():
         return continuations, model(ids).logits[:, -4:]
 
 
-def rows(model_path: Path, params: SamplingParams) -> Rows:
-    """The model's next-token distribution under `params` after every continuation of up to 3 tokens."""
-    continuations, logits = continuation_logits(model_path)
+def rows(model_path: Path, params: SamplingParams, prompt: tuple[int, ...] = tuple(PROMPT)) -> Rows:
+    """The model's next-token distribution under `params` after every continuation of `prompt`
+    by up to 3 tokens."""
+    continuations, logits = continuation_logits(model_path, prompt)
     probs = sampling.probabilities(logits.reshape(-1, VOCAB), params).reshape(logits.shape).double()
     return {c[:n]: probs[i, n] for i, c in enumerate(continuations) for n in range(4)}
 
@@ -70,13 +75,14 @@ def cell(tokens: list[int]) -> int:
 
 
 def sample_cells(stack: Stack, params: SamplingParams, proposer: str, samples: int = SAMPLES,
-                 usages: list[Any] | None = None, k: int = K) -> tuple[torch.Tensor, int, int]:
+                 usages: list[Any] | None = None, k: int = K, prompt: list[int] = PROMPT
+                 ) -> tuple[torch.Tensor, int, int]:
     """Cell counts of the first three tokens of `samples` seeded requests through the stack
     (8 at a time), each drafting up to `k` a step (0: the target alone), and the drafted
     tokens accepted and drafted over all of them; `usages` gathers each request's usage."""
     with stack.client() as client:
         def draw(seed: int) -> tuple[int, int, int]:
-            reply = client.generate(PROMPT, max_new_tokens=MAX_NEW_TOKENS, temperature=params.temperature,
+            reply = client.generate(prompt, max_new_tokens=MAX_NEW_TOKENS, temperature=params.temperature,
                                     top_k=params.top_k, top_p=params.top_p, seed=seed,
                                     num_speculative_tokens=k, proposer=proposer, ignore_eos=True)
             usage = reply.usage
@@ -130,12 +136,15 @@ def warped_by_transformers(logits: torch.Tensor, params: SamplingParams) -> torc
 
 
 def assert_law_through(stack: Stack, target: Path, params: SamplingParams,
-                       proposer: str = "draft-model") -> None:
+                       proposer: str = "draft-model", long_prompt: bool = False,
+                       usages: list[Any] | None = None) -> None:
     """Sample through `stack` (stopped afterwards): some drafted tokens were accepted and some
-    rejected, and the first three tokens follow the target's own law (chi-square)."""
+    rejected, and the first three tokens follow the target's own law (chi-square). With
+    `long_prompt`, after LONG_PROMPT (the prefix cache's case) rather than PROMPT."""
+    prompt = LONG_PROMPT if long_prompt else PROMPT
     try:
-        counts, accepted, drafted = sample_cells(stack, params, proposer)
+        counts, accepted, drafted = sample_cells(stack, params, proposer, usages=usages, prompt=prompt)
     finally:
         stack.stop()
     assert 0 < accepted < drafted
-    assert p_value(counts, exact_law(rows(target, params))) > ALPHA
+    assert p_value(counts, exact_law(rows(target, params, tuple(prompt)))) > ALPHA

@@ -28,7 +28,7 @@ class ProposeBlocksRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., cache_position: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., num_speculative_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_support_size: _Optional[int] = ..., seed: _Optional[int] = ..., draft_ahead_tokens: _Optional[int] = ...) -> None: ...
 
 class ProposeBlocksResponse(_message.Message):
-    __slots__ = ("token_ids", "distributions", "cache_length", "compute_ms", "prebuilt_tokens", "ahead_hit", "pass_split")
+    __slots__ = ("token_ids", "distributions", "cache_length", "compute_ms", "prebuilt_tokens", "ahead_hit", "pass_split", "cached_token_count")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DISTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
     CACHE_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,7 @@ class ProposeBlocksResponse(_message.Message):
     PREBUILT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     AHEAD_HIT_FIELD_NUMBER: _ClassVar[int]
     PASS_SPLIT_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     distributions: _containers.RepeatedCompositeFieldContainer[_common_pb2.SparseDistribution]
     cache_length: int
@@ -43,4 +44,5 @@ class ProposeBlocksResponse(_message.Message):
     prebuilt_tokens: int
     ahead_hit: bool
     pass_split: _common_pb2.PassSplit
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., distributions: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., cache_length: _Optional[int] = ..., compute_ms: _Optional[float] = ..., prebuilt_tokens: _Optional[int] = ..., ahead_hit: _Optional[bool] = ..., pass_split: _Optional[_Union[_common_pb2.PassSplit, _Mapping]] = ...) -> None: ...
+    cached_token_count: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., distributions: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., cache_length: _Optional[int] = ..., compute_ms: _Optional[float] = ..., prebuilt_tokens: _Optional[int] = ..., ahead_hit: _Optional[bool] = ..., pass_split: _Optional[_Union[_common_pb2.PassSplit, _Mapping]] = ..., cached_token_count: _Optional[int] = ...) -> None: ...

@@ -50,7 +50,7 @@ class TargetProposal(_message.Message):
     def __init__(self, proposer: _Optional[_Union[_common_pb2.Proposer, str]] = ...) -> None: ...
 
 class ScoreBlocksResponse(_message.Message):
-    __slots__ = ("cache_length", "compute_ms", "batch_session_count", "batch_token_count", "pass_ms", "queue_depth_count", "kv_cache_usage", "pass_split", "block_scores", "verified_tree")
+    __slots__ = ("cache_length", "compute_ms", "batch_session_count", "batch_token_count", "pass_ms", "queue_depth_count", "kv_cache_usage", "pass_split", "cached_token_count", "block_scores", "verified_tree")
     CACHE_LENGTH_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
     BATCH_SESSION_COUNT_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +59,7 @@ class ScoreBlocksResponse(_message.Message):
     QUEUE_DEPTH_COUNT_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
     PASS_SPLIT_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SCORES_FIELD_NUMBER: _ClassVar[int]
     VERIFIED_TREE_FIELD_NUMBER: _ClassVar[int]
     cache_length: int
@@ -69,9 +70,10 @@ class ScoreBlocksResponse(_message.Message):
     queue_depth_count: int
     kv_cache_usage: float
     pass_split: _common_pb2.PassSplit
+    cached_token_count: int
     block_scores: BlockScores
     verified_tree: VerifiedTree
-    def __init__(self, cache_length: _Optional[int] = ..., compute_ms: _Optional[float] = ..., batch_session_count: _Optional[int] = ..., batch_token_count: _Optional[int] = ..., pass_ms: _Optional[float] = ..., queue_depth_count: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., pass_split: _Optional[_Union[_common_pb2.PassSplit, _Mapping]] = ..., block_scores: _Optional[_Union[BlockScores, _Mapping]] = ..., verified_tree: _Optional[_Union[VerifiedTree, _Mapping]] = ...) -> None: ...
+    def __init__(self, cache_length: _Optional[int] = ..., compute_ms: _Optional[float] = ..., batch_session_count: _Optional[int] = ..., batch_token_count: _Optional[int] = ..., pass_ms: _Optional[float] = ..., queue_depth_count: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., pass_split: _Optional[_Union[_common_pb2.PassSplit, _Mapping]] = ..., cached_token_count: _Optional[int] = ..., block_scores: _Optional[_Union[BlockScores, _Mapping]] = ..., verified_tree: _Optional[_Union[VerifiedTree, _Mapping]] = ...) -> None: ...
 
 class BlockScores(_message.Message):
     __slots__ = ("target_probs", "recovered_token_ids", "bonus_token_id")

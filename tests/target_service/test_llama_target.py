@@ -6,13 +6,14 @@ under sampling; --backend auto times both backends and keeps the faster."""
 from __future__ import annotations
 
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
 import torch
-from laws import PARAMS_ID, T1, TRUNCATED, assert_law_through, small_pair
+from laws import T1, TRUNCATED, assert_law_through, small_pair
 from tiny import make_draft_like, make_gguf, make_model, random_prompts, speculated
 from transformers import AutoModelForCausalLM
 
@@ -144,16 +145,49 @@ def test_a_request_longer_than_the_llama_context_is_refused_with_the_limit(
 
 @needs_llama
 @pytest.mark.slow
-@pytest.mark.parametrize("params", [T1, TRUNCATED], ids=PARAMS_ID.get)
-def test_sampled_law_holds_with_the_llama_target(tiny_dir: Path, params: sampling.SamplingParams) -> None:
+def test_a_later_turn_from_kept_sequences_decodes_what_a_cold_one_does(
+        llama_target_stack: Stack, gguf_target: Path, gguf_draft: Path) -> None:
+    """Both tiers keep a finished session's sequence and start the next turn from a copy of it
+    (llama_memory_seq_cp); the turn decodes what the same request does on replicas that keep
+    nothing."""
+    first = random_prompts(target_info(llama_target_stack).vocab_size, 1, 30, seed=9)[0]
+    with llama_target_stack.client() as client:
+        reply = client.generate(first, max_new_tokens=LENGTH, num_speculative_tokens=4, ignore_eos=True)
+        second = [*first, *reply.token_ids, 3, 4]
+        deadline = time.monotonic() + 30
+        while True:  # the first turn's sessions close just after its reply
+            warm = client.generate(second, max_new_tokens=LENGTH, num_speculative_tokens=4, ignore_eos=True)
+            if warm.usage.target_cached_tokens or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+    assert len(first) + LENGTH - 1 <= warm.usage.target_cached_tokens < len(second)
+    assert warm.usage.draft_cached_tokens >= len(first)
+    off = ["--backend", "llama.cpp", "--prefix-cache", "off"]
+    cold_stack = start_stack(str(gguf_draft.parent), str(gguf_target.parent), draft_args=off, target_args=off)
+    try:
+        with cold_stack.client() as client:
+            cold = client.generate(second, max_new_tokens=LENGTH, num_speculative_tokens=4, ignore_eos=True)
+    finally:
+        cold_stack.stop()
+    assert cold.usage.target_cached_tokens == 0
+    assert list(warm.token_ids) == list(cold.token_ids)
+
+
+@needs_llama
+@pytest.mark.slow
+@pytest.mark.parametrize("params, long_prompt", [(T1, False), (TRUNCATED, False), (T1, True)],
+                         ids=["t1", "truncated", "t1-kept-prefixes"])
+def test_sampled_law_holds_with_the_llama_target(tiny_dir: Path, params: sampling.SamplingParams,
+                                                 long_prompt: bool) -> None:
     """Both tiers on llama.cpp; the law is the target's own (its float32 twin's rows: llama.cpp's
-    float16 keys move them by about 1e-3, far below what these samples resolve)."""
+    float16 keys move them by about 1e-3, far below what these samples resolve). With the long
+    prompt, every request after the first starts from kept sequences on both tiers."""
     target, draft = small_pair(tiny_dir)
     target_gguf = make_gguf(target, tiny_dir / "v6-target-gguf")
     draft_gguf = make_gguf(draft, tiny_dir / "v6-draft-gguf-t")
     stack = start_stack(str(draft_gguf.parent), str(target_gguf.parent),
                         draft_args=["--backend", "llama.cpp"], target_args=["--backend", "llama.cpp"])
-    assert_law_through(stack, target, params)
+    assert_law_through(stack, target, params, long_prompt=long_prompt)
 
 
 def test_auto_keeps_the_backend_expected_to_serve_more_tokens_with_speculation() -> None:
