@@ -80,7 +80,7 @@ class DraftService(ModelServicer, draft_pb2_grpc.DraftServiceServicer):
                 # A fresh session's first step: its cache starts from the longest kept prefix of
                 # the history, and its first pass feeds only the rest (the drafter feeds what its
                 # cache does not hold).
-                cached = self.host.reuse_prefix(session, history) if told is None else 0
+                cached = await self.host.reuse_prefix(session, history) if told is None else 0
                 if ahead is not None:
                     drafted, hit = await ahead.end(session, history)
                     ahead = None

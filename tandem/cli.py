@@ -619,8 +619,9 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     sub.add_parser("bench", help="benchmark every mode side by side (tandem bench --help)")
     sub.add_parser("bench-load", help="concurrent clients: errors, exactness, leaks, latency; "
                    "--sweep: throughput against concurrency, batched and not; --chaos: faults "
-                   "under load; --overload: twice the admitted load; --duration 1h: a soak "
-                   "(tandem bench-load [--sweep|--chaos|--overload|--duration 1h] --help)")
+                   "under load; --overload: twice the admitted load; --duration 1h: a soak; "
+                   "--conversations: multi-turn traffic with the prefix cache on and off "
+                   "(tandem bench-load [--sweep|--chaos|--overload|--duration 1h|--conversations] --help)")
     return parser
 
 
@@ -652,6 +653,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             from bench.chaos import main as chaos_main
 
             chaos_main([a for a in argv[1:] if a != "--chaos"])
+        elif argv[:1] == ["bench-load"] and "--conversations" in argv:
+            from bench.conversations import main as conversations_main  # tandem bench-load --conversations
+
+            conversations_main([a for a in argv[1:] if a != "--conversations"])
         elif argv[:1] == ["bench-load"] and "--overload" in argv:  # tandem bench-load --overload
             from bench.overload import main as overload_main
 

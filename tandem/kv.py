@@ -409,6 +409,12 @@ class SessionTable:
         session.reserved = session.length
         self.changed()
 
+    async def kept(self, timeout_s: float) -> None:
+        """Until the sessions closed with a pass still running are kept (at most `timeout_s`):
+        a conversation's next turn often arrives while its last turn's session is closing."""
+        if self._keeping:
+            await asyncio.wait(list(self._keeping), timeout=timeout_s)
+
     def start_from_prefix(self, session: KVSession, token_ids: list[int]) -> int:
         """Before a fresh session's first pass over `token_ids` (its whole history): give it a
         copy of the longest kept prefix of them, all but the last token at most (whose logits

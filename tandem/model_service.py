@@ -60,6 +60,9 @@ DEFAULT_PREFIX_TOKENS = 16384
 # Entries the prefix cache keeps at most: on llama.cpp each holds one of its sequences.
 PREFIX_ENTRIES = 64
 LLAMA_PREFIX_ENTRIES = 32
+# How long a fresh session's first step waits for sessions closed with a pass still running to
+# be kept (their passes were cancelled: they end within a pass).
+KEEP_WAIT_S = 1.0
 # How long a step waits for room in the KV budget held by running passes before RESOURCE_EXHAUSTED.
 BUDGET_WAIT_S = 30.0
 
@@ -453,21 +456,22 @@ class ModelHost:
     def prefix_tokens(self) -> int:
         return self.sessions.prefix.tokens if self.sessions.prefix is not None else 0
 
-    def reuse_prefix(self, session: KVSession, token_ids: list[int]) -> int:
+    async def reuse_prefix(self, session: KVSession, token_ids: list[int]) -> int:
         """Before a fresh session's first pass over its whole history `token_ids`: start its
         cache from the longest kept prefix (`SessionTable.start_from_prefix`); the tokens reused."""
         if self.sessions.prefix is None or session.length or session.token_ids:
             return 0
+        await self.sessions.kept(KEEP_WAIT_S)
         reused = self.sessions.start_from_prefix(session, token_ids)
         self.metrics.prefix_lookup(reused)
         return reused
 
-    def start_step(self, session: KVSession, step: Step) -> tuple[Step, int]:
+    async def start_step(self, session: KVSession, step: Step) -> tuple[Step, int]:
         """A target step as it runs: a fresh session's first step over its whole history starts
         from the longest kept prefix of it and appends only the rest; and the tokens reused."""
         if step.cache_position:
             return step, 0
-        reused = self.reuse_prefix(session, step.new_token_ids)
+        reused = await self.reuse_prefix(session, step.new_token_ids)
         return (Step(reused, step.new_token_ids[reused:]) if reused else step), reused
 
     def follow(self, label: str) -> None:

@@ -106,7 +106,7 @@ class TargetService(ModelServicer, target_pb2_grpc.TargetServiceServicer):
             step = step_from(request, session)
             params = sampling_from(request.sampling)
             history = step.cache_position + len(step.new_token_ids)
-            step, cached = self.host.start_step(session, step)
+            step, cached = await self.host.start_step(session, step)
             kind = request.WhichOneof("proposal")
             if kind == "target_proposal":
                 proposer = self._proposer(request.target_proposal)
