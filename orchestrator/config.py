@@ -51,6 +51,7 @@ class OrchestratorConfig(ServerSecurityConfig):
     prompt_lookup_min_ngram: int = option(2, "prompt lookup: shortest n-gram matched in the history")
     prompt_lookup_max_ngram: int = option(3, "prompt lookup: longest n-gram matched (tried first)")
     max_new_tokens_cap: int = option(4096, "largest max_new_tokens a request may ask for")
+    max_choices: int = option(16, "largest n (choices from one prompt) a request may ask for")
     default_max_new_tokens: int = option(256, "max_new_tokens when a request leaves it unset")
     replica_retry_s: float = option(10.0, "how long a request whose target session was lost waits "
                                     "for a target replica to rebuild it on (e.g. a restart), once "

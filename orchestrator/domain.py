@@ -62,6 +62,7 @@ class GenerationRequest:
     stop_strings: tuple[str, ...] = ()
     ignore_eos: bool = False
     proposer: str = ""  # a REGISTRY name; "": the deployment's default
+    n: int = 1  # choices generated from the prompt
 
 
 @dataclass(frozen=True)
@@ -258,16 +259,18 @@ class Delta:
 
     token_ids: tuple[int, ...]
     text: str
+    choice: int = 0  # of a request for several (GenerationRequest.n)
 
 
 @dataclass(frozen=True)
 class Summary:
-    """The end of a generation."""
+    """The end of a generation (of one choice, in a request for several)."""
 
     finish_reason: FinishReason
     usage: Usage
     wire_bytes: int  # exchanged with the replicas
     total_ms: float
+    choice: int = 0
 
 
 Event = Delta | Summary

@@ -11,18 +11,21 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
+import dataclasses
 import functools
 import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
 from orchestrator import discovery
 from orchestrator.admission import Admission
 from orchestrator.config import OrchestratorConfig
 from orchestrator.domain import (
+    EMPTY_BLOCK,
     REGISTRY,
     Delta,
     Event,
@@ -52,7 +55,7 @@ from orchestrator.text import TextStream
 from tandem import metrics, models
 from tandem.config import MAX_BLOCK_TOKENS, MAX_SUPPORT_SIZE
 from tandem.errors import InvalidRequest, Unavailable
-from tandem.sampling import SamplingParams, validate
+from tandem.sampling import SamplingParams, choice_seed, validate
 from tandem.security import ClientTls
 
 OVERLAP_SETTINGS = ("auto", "on", "off")  # --overlap
@@ -351,10 +354,78 @@ class Engine:
         to the replicas, and its passing ends the generation with DeadlineExceeded.
         """
         started = time.perf_counter()
+        if not 1 <= request.n <= self.config.max_choices:
+            raise InvalidRequest(f"n must be in [1, {self.config.max_choices}] (--max-choices), got {request.n}")
         gen, stops = await self.validate(request)
         async with self.admission.slot():
-            async for event in self._generate(gen, stops, deadline_s, started):
-                yield event
+            events = self._generate(gen, stops, deadline_s, started) if request.n == 1 else \
+                self._choices(gen, stops, deadline_s, started, request.n)
+            async with contextlib.aclosing(events):
+                async for event in events:
+                    yield event
+
+    async def _choices(self, gen: Generation, stops: tuple[str, ...], deadline_s: float | None,
+                       started: float, n: int) -> AsyncGenerator[Event, None]:
+        """n choices from one prompt: the prompt prefilled once (`_prefill`), then every choice
+        generated at once, starting from it, each with its own seed; events tagged by choice."""
+        cached = await self._prefill(gen, deadline_s)
+        events: asyncio.Queue[Event | BaseException | None] = asyncio.Queue()
+
+        async def run(choice: int) -> None:
+            mine = dataclasses.replace(gen, seed=choice_seed(gen.seed, choice))
+            try:
+                async with contextlib.aclosing(self._generate(mine, stops, deadline_s, started)) as own:
+                    async for event in own:
+                        if isinstance(event, Summary):  # the prompt's reuse is the shared prefill's
+                            event = dataclasses.replace(event, usage=dataclasses.replace(
+                                event.usage, target_cached_tokens=cached[0], draft_cached_tokens=cached[1]))
+                        await events.put(dataclasses.replace(event, choice=choice))
+            except BaseException as exc:  # noqa: BLE001 - handed to the request, which ends
+                await events.put(exc)
+            finally:
+                await events.put(None)
+
+        tasks = [asyncio.ensure_future(run(i)) for i in range(n)]
+        try:
+            ended = 0
+            while ended < n:
+                item = await events.get()
+                if item is None:
+                    ended += 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _prefill(self, gen: Generation, deadline_s: float | None) -> tuple[int, int]:
+        """The prompt's KV computed once on a target replica (and a draft replica, where the
+        choices will draft from the start), in sessions that end at once: the replicas keep it
+        in their prefix caches, and the choices' sessions, routed by the same prompt, start
+        from it. The prompt tokens the prefill itself took from the caches (target, draft)."""
+        drafts, targets = await self._pools()
+        deadline = None if deadline_s is None else asyncio.get_running_loop().time() + deadline_s
+        session_id, prompt = uuid.uuid4().hex, list(gen.prompt_token_ids)
+        target = TargetSession(targets, session_id, deadline, retry_s=self.config.replica_retry_s)
+        drafting = gen.proposer == "draft-model" and drafts is not None and drafts.ready and not (
+            self.deployment.draft_shares_target and not self.deployment.overlap)
+        draft = DraftSession(drafts, session_id, deadline) if drafting and drafts is not None else None
+        try:
+            scored = target.score(prompt, EMPTY_BLOCK, gen.sampling, gen.seed)
+            if draft is None:
+                result, block = await scored, EMPTY_BLOCK
+            else:
+                result, block = await asyncio.gather(scored, draft.propose(
+                    prompt, 0, gen.sampling, self.config.max_support_size, gen.seed))
+            await asyncio.gather(target.finish(), *(draft.finish(),) if draft else ())
+        finally:
+            await target.close()
+            if draft is not None:
+                await draft.close()
+        return result.cached, block.cached
 
     def _orchestrator_proposer(self, name: str, drafts: ReplicaPool | None, session_id: str,
                                deadline: float | None) -> Proposer | None:
@@ -380,7 +451,7 @@ class Engine:
         return None
 
     async def _generate(self, gen: Generation, stops: tuple[str, ...], deadline_s: float | None,
-                        started: float) -> AsyncIterator[Event]:
+                        started: float) -> AsyncGenerator[Event, None]:
         drafts, targets = await self._pools()
         deadline = None if deadline_s is None else asyncio.get_running_loop().time() + deadline_s
         session_id = uuid.uuid4().hex

@@ -98,8 +98,8 @@ def _common(body: dict[str, Any], allowed: set[str], max_tokens_fields: tuple[st
     unknown = sorted(set(body) - allowed)
     if unknown:
         raise _invalid(f"unsupported field(s): {', '.join(unknown)}", unknown[0])
-    if body.get("n", 1) != 1 or body.get("best_of", 1) != 1:
-        raise _invalid("only n=1 is supported", "n")
+    if body.get("best_of", 1) != 1:
+        raise _invalid("best_of is not supported (n is: every choice is returned)", "best_of")
     if body.get("logprobs") or body.get("top_logprobs") or body.get("echo") or body.get("suffix"):
         field = next(f for f in ("logprobs", "top_logprobs", "echo", "suffix") if body.get(f))
         raise _invalid(f"{field} is not supported", field)
@@ -136,6 +136,7 @@ def _common(body: dict[str, Any], allowed: set[str], max_tokens_fields: tuple[st
         "seed": _number(body, "seed", int, None, 0, 2**64 - 1),
         "num_speculative_tokens": _number(body, "num_speculative_tokens", int, None, 0, 2**32 - 1),
         "stop_strings": stops, "ignore_eos": ignore_eos, "proposer": proposer,
+        "n": _number(body, "n", int, 1, 1, 2**31),
     }
 
 
@@ -149,8 +150,7 @@ def completion_request(body: dict[str, Any]) -> GenerationRequest:
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
                                                    for t in prompt):
         return GenerationRequest(prompt_token_ids=tuple(prompt), **fields)
-    raise _invalid("prompt must be a non-empty string or list of token ids (one prompt: n=1)",
-                   "prompt")
+    raise _invalid("prompt must be a non-empty string or list of token ids (one prompt)", "prompt")
 
 
 def chat_request(body: dict[str, Any], template: Callable[[list[dict[str, Any]]], str]
@@ -177,18 +177,25 @@ def finish_reason(reason: FinishReason) -> str:
     return "length" if reason is FinishReason.LENGTH else "stop"
 
 
-def usage_json(usage: Usage) -> dict[str, Any]:
-    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-            "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+def usage_json(*choices: Usage) -> dict[str, Any]:
+    """A request's usage, over its choices: the prompt (and what its prefill took from the
+    prefix caches, the same for every choice) once, the rest added up."""
+    def total(field: str) -> Any:
+        return sum(getattr(u, field) for u in choices)
+
+    usage = choices[0]
+    completion = total("completion_tokens")
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": completion,
+            "total_tokens": usage.prompt_tokens + completion,
             # OpenAI's: the prompt tokens the target's prefix cache served (a session rebuilt after
             # a replica lost it may reuse generated tokens too: capped at the prompt).
             "prompt_tokens_details": {"cached_tokens": min(usage.target_cached_tokens, usage.prompt_tokens)},
             "draft_cached_tokens": usage.draft_cached_tokens,
             # Tandem's own: how much speculation saved, per request.
-            "drafted_tokens": usage.drafted_tokens, "accepted_tokens": usage.accepted_tokens,
-            "target_forward_passes": usage.target_forward_passes, "proposer": usage.proposer,
-            "draft_wait_ms": round(usage.draft_wait_ms, 3), "draft_cache_hits": usage.draft_cache_hits,
-            "draft_cache_misses": usage.draft_cache_misses}
+            "drafted_tokens": total("drafted_tokens"), "accepted_tokens": total("accepted_tokens"),
+            "target_forward_passes": total("target_forward_passes"), "proposer": usage.proposer,
+            "draft_wait_ms": round(total("draft_wait_ms"), 3), "draft_cache_hits": total("draft_cache_hits"),
+            "draft_cache_misses": total("draft_cache_misses")}
 
 
 @dataclass(frozen=True)
@@ -200,15 +207,15 @@ class Shape:
     id_prefix: str
     chat: bool
 
-    def choice(self, text: str, reason: str | None, *, chunk: bool, first: bool = False
+    def choice(self, text: str, reason: str | None, *, chunk: bool, first: bool = False, index: int = 0
                ) -> dict[str, Any]:
         if not self.chat:
-            return {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+            return {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
         if chunk:
             delta: dict[str, Any] = {"role": "assistant", "content": text} if first else \
                 ({"content": text} if text else {})
-            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
-        return {"index": 0, "message": {"role": "assistant", "content": text},
+            return {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+        return {"index": index, "message": {"role": "assistant", "content": text},
                 "logprobs": None, "finish_reason": reason}
 
 
@@ -308,6 +315,8 @@ class HttpApi:
                        ) -> Response:
         stream = bool(body.get("stream"))
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        if gen.n > self.engine.config.max_choices:
+            raise _invalid(f"n must be in [1, {self.engine.config.max_choices}], got {gen.n}", "n")
         events = self.engine.generate(gen)
         # The first event settles the status: validation, admission and the first step's
         # errors become an HTTP error; later ones end the stream with an error event.
@@ -318,29 +327,29 @@ class HttpApi:
         ident, created = shape.id_prefix + uuid.uuid4().hex, int(time.time())
         head = {"id": ident, "created": created, "model": self.model_name}
         if stream:
-            return StreamingResponse(self._sse(first, events, head, shape, include_usage),
+            return StreamingResponse(self._sse(first, events, head, shape, include_usage, gen.n),
                                      media_type="text/event-stream",
                                      headers={"cache-control": "no-cache"})
-        text, summary = [], None
+        texts: list[list[str]] = [[] for _ in range(gen.n)]
+        summaries: dict[int, Summary] = {}
         try:
             event: Event | None = first
             while event is not None:
                 if isinstance(event, Delta):
-                    text.append(event.text)
+                    texts[event.choice].append(event.text)
                 else:
-                    summary = event
+                    summaries[event.choice] = event
                 event = await anext(events, None)
         except TandemError as exc:
             raise from_domain_error(exc) from None
-        assert summary is not None
+        assert len(summaries) == gen.n
         return JSONResponse({**head, "object": shape.object,
-                             "choices": [shape.choice("".join(text),
-                                                      finish_reason(summary.finish_reason),
-                                                      chunk=False)],
-                             "usage": usage_json(summary.usage)})
+                             "choices": [shape.choice("".join(texts[i]), finish_reason(summaries[i].finish_reason),
+                                                      chunk=False, index=i) for i in range(gen.n)],
+                             "usage": usage_json(*(summaries[i].usage for i in range(gen.n)))})
 
     async def _sse(self, first: Event, events: AsyncGenerator[Event, None], head: dict[str, Any],
-                   shape: Shape, include_usage: bool) -> AsyncIterator[bytes]:
+                   shape: Shape, include_usage: bool, choices: int) -> AsyncIterator[bytes]:
         def frame(payload: dict[str, Any]) -> bytes:
             return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 
@@ -350,20 +359,22 @@ class HttpApi:
                 payload["usage"] = usage
             return frame(payload)
 
-        opened = not shape.chat  # chat's first chunk names the role
+        opened: set[int] = set() if shape.chat else set(range(choices))  # chat's first chunk names the role
+        usages: list[Usage] = []
         try:
             event: Event | None = first
             while event is not None:
+                i = event.choice
                 if isinstance(event, Delta):
-                    if event.text or not opened:
-                        yield chunk([shape.choice(event.text, None, chunk=True, first=not opened)])
-                        opened = True
+                    if event.text or i not in opened:
+                        yield chunk([shape.choice(event.text, None, chunk=True, first=i not in opened, index=i)])
+                        opened.add(i)
                 else:
-                    summary: Summary = event
-                    yield chunk([shape.choice("", finish_reason(summary.finish_reason),
-                                              chunk=True, first=not opened)])
-                    if include_usage:
-                        yield chunk([], usage_json(summary.usage))
+                    yield chunk([shape.choice("", finish_reason(event.finish_reason),
+                                              chunk=True, first=i not in opened, index=i)])
+                    usages.append(event.usage)
+                    if include_usage and len(usages) == choices:
+                        yield chunk([], usage_json(*usages))
                 event = await anext(events, None)
         except TandemError as exc:
             error = from_domain_error(exc)

@@ -19,6 +19,7 @@ import grpc
 
 from orchestrator import wire
 from orchestrator.domain import DraftBlock, ModelInfo, TargetResult, TargetScores, TreeCommit
+from orchestrator.routing import PrefixRoutes, block_keys, choose
 from tandem import metrics, sampling
 from tandem.errors import DeadlineExceeded, ReplicaRefused, ResourceExhausted, Unavailable
 from tandem.models import TokenizerFile
@@ -85,7 +86,8 @@ def _channel_options(address: str) -> list[tuple[str, Any]]:
 
 
 class ReplicaPool:
-    """Replicas of one service; new sessions go to the least-loaded routable one and stay there.
+    """Replicas of one service; a new session goes to the routable one likely to hold its
+    prefix, within a load bound (orchestrator/routing.py), and stays there.
 
     The replicas are the constructor's static addresses, or come and go through discovery:
     `add`, `mark_terminating` (no new sessions; in-flight ones finish) and `remove`. Every
@@ -99,6 +101,7 @@ class ReplicaPool:
         self.tls = tls
         self._tls_files = tls.reloading() if tls is not None else None
         self.replicas: list[Replica] = []
+        self.routes = PrefixRoutes()
         self._closing: set[asyncio.Task[None]] = set()
         for address in addresses:
             self.add(address)
@@ -149,13 +152,15 @@ class ReplicaPool:
         if replica is None:
             return
         self.replicas.remove(replica)
+        self.routes.forget(address)
         replica.terminating = replica.removed = True
         if replica.active_sessions == 0:
             self._close(replica.link)
 
-    def acquire(self, tried: Collection[str] = ()) -> Replica:
-        """The least-loaded routable replica, preferring ones that have not just failed, then
-        ones whose address is not in `tried` (those a step has already tried)."""
+    def acquire(self, tried: Collection[str] = (), history: Sequence[int] = ()) -> Replica:
+        """A routable replica for a session whose history is `history`: among those that have
+        not just failed, then those whose address is not in `tried` (those a step has already
+        tried), the one `routing.choose` picks."""
         self._follow_tls_files()
         routable = [r for r in self.replicas if not r.terminating]
         if not routable:
@@ -165,8 +170,14 @@ class ReplicaPool:
         now = asyncio.get_running_loop().time()
         healthy = [r for r in routable if r.failed_until <= now]
         # A cooldown that is over counts for nothing: the replica competes on load again.
-        replica = min(healthy or routable, key=lambda r: (
-            r.address in tried, max(r.failed_until, now), r.active_sessions))
+        def rank(r: Replica) -> tuple[bool, float]:
+            return r.address in tried, max(r.failed_until, now)
+
+        best = min(map(rank, healthy or routable))
+        group = {r.address: r for r in healthy or routable if rank(r) == best}
+        keys = block_keys(history)
+        replica = group[choose({a: r.active_sessions for a, r in group.items()}, keys, self.routes)]
+        self.routes.record(keys, replica.address)
         replica.active_sessions += 1
         replica.link.sessions += 1
         return replica
@@ -243,9 +254,9 @@ class RemoteSession:
     _link: Link | None = field(default=None, repr=False)  # the channel the session opened on
     _call: Any = field(default=None, repr=False)
 
-    def _open(self, method: str, tried: Collection[str] = ()) -> Any:
+    def _open(self, method: str, tried: Collection[str] = (), history: Sequence[int] = ()) -> Any:
         if self._call is None:
-            self.replica = self.pool.acquire(tried)
+            self.replica = self.pool.acquire(tried, history)
             self._link = self.replica.link
             timeout = (None if self.deadline is None
                        else max(0.0, self.deadline - asyncio.get_running_loop().time()))
@@ -272,9 +283,10 @@ class RemoteSession:
         give_up, backoff, attempts, evictions = loop.time() + self.retry_s, 0.05, 0, 0
         tried: set[str] = set()  # replicas that failed this step for a reason other than eviction
         while True:
-            call = self._open(method, tried)
-            where = self.replica.address if self.replica else "?"
             request = build(self.synced)
+            # A session opens with its whole history (synced is 0): it routes by its prefix.
+            call = self._open(method, tried, request.new_token_ids)
+            where = self.replica.address if self.replica else "?"
             self.wire_bytes += request.ByteSize()
             written = False
             try:
@@ -333,6 +345,16 @@ class RemoteSession:
             if not self.pool.healthy:
                 await asyncio.sleep(backoff)
                 backoff = min(2 * backoff, 1.0)
+
+    async def finish(self) -> None:
+        """End the session's stream and wait for the replica to end it too: by then it has
+        kept the session's cache in its prefix cache."""
+        call = self._call
+        if call is not None:
+            await call.done_writing()
+            while await call.read() is not grpc.aio.EOF:
+                pass
+        await self.close()
 
     def advance(self, cache_length: int, valid_length: int) -> None:
         """After a step: the cache holds `cache_length` tokens, of which `valid_length` are history."""

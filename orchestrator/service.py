@@ -57,14 +57,18 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
     async def GenerateUnary(
         self, request: orchestrator_pb2.GenerateUnaryRequest, context: grpc.aio.ServicerContext
     ) -> orchestrator_pb2.GenerateUnaryResponse:
-        reply = orchestrator_pb2.GenerateUnaryResponse()
+        choices = [orchestrator_pb2.Choice() for _ in range(max(1, request.n))]
         with metrics.track_request("GenerateUnary"):
             async for event in self._events(request, context):
+                choice = choices[event.choice]
                 if isinstance(event, Delta):
-                    reply.token_ids.extend(event.token_ids)
-                    reply.text += event.text
+                    choice.token_ids.extend(event.token_ids)
+                    choice.text += event.text
                 else:
                     summary = wire.summary_to_proto(event)
-                    reply.finish_reason = summary.finish_reason
-                    reply.usage.CopyFrom(summary.usage)
-        return reply
+                    choice.finish_reason = summary.finish_reason
+                    choice.usage.CopyFrom(summary.usage)
+        first = choices[0]
+        return orchestrator_pb2.GenerateUnaryResponse(
+            text=first.text, token_ids=first.token_ids, finish_reason=first.finish_reason, usage=first.usage,
+            choices=choices if len(choices) > 1 else ())

@@ -152,7 +152,7 @@ def request_from_proto(request: orchestrator_pb2.GenerateRequest
         num_speculative_tokens=(request.num_speculative_tokens
                                 if request.HasField("num_speculative_tokens") else None),
         stop_strings=tuple(request.stop_strings), ignore_eos=request.ignore_eos,
-        proposer=proposer_from_proto(request.proposer))
+        proposer=proposer_from_proto(request.proposer), n=request.n or 1)
 
 
 _FINISH_REASONS = {FinishReason.LENGTH: orchestrator_pb2.FINISH_REASON_LENGTH,
@@ -180,11 +180,13 @@ def usage_to_proto(usage: Usage, wire_bytes: int, total_ms: float) -> orchestrat
 
 def delta_to_proto(delta: Delta) -> orchestrator_pb2.GenerateResponse:
     return orchestrator_pb2.GenerateResponse(
-        delta=orchestrator_pb2.TokenDelta(token_ids=delta.token_ids, text=delta.text))
+        delta=orchestrator_pb2.TokenDelta(token_ids=delta.token_ids, text=delta.text,
+                                          choice_index=delta.choice))
 
 
 def summary_to_proto(summary: Summary) -> orchestrator_pb2.GenerationSummary:
     return orchestrator_pb2.GenerationSummary(
         finish_reason=finish_reason_to_proto(summary.finish_reason),
-        usage=usage_to_proto(summary.usage, summary.wire_bytes, summary.total_ms))
+        usage=usage_to_proto(summary.usage, summary.wire_bytes, summary.total_ms),
+        choice_index=summary.choice)
 

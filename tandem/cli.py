@@ -653,8 +653,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             from bench.chaos import main as chaos_main
 
             chaos_main([a for a in argv[1:] if a != "--chaos"])
-        elif argv[:1] == ["bench-load"] and "--conversations" in argv:
-            from bench.conversations import main as conversations_main  # tandem bench-load --conversations
+        elif argv[:1] == ["bench-load"] and "--conversations" in argv:  # multi-turn traffic
+            from bench.conversations import main as conversations_main
 
             conversations_main([a for a in argv[1:] if a != "--conversations"])
         elif argv[:1] == ["bench-load"] and "--overload" in argv:  # tandem bench-load --overload

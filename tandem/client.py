@@ -76,11 +76,12 @@ class TandemClient:
                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                  seed: int | None = None, num_speculative_tokens: int | None = None,
                  stop: list[str] | None = None, ignore_eos: bool = False,
-                 proposer: str | None = None, timeout: float | None = None) -> orchestrator_pb2.GenerateUnaryResponse:
-        """The whole generation in one reply."""
+                 proposer: str | None = None, timeout: float | None = None,
+                 n: int = 1) -> orchestrator_pb2.GenerateUnaryResponse:
+        """The whole generation in one reply (with n > 1, every choice in `choices`)."""
         request = orchestrator_pb2.GenerateUnaryRequest(**self._fields(
             prompt, max_new_tokens, temperature, top_p, top_k, seed, num_speculative_tokens, stop,
-            ignore_eos, proposer))
+            ignore_eos, proposer), n=n)
         reply: orchestrator_pb2.GenerateUnaryResponse = self._stub.GenerateUnary(
             request, timeout=timeout, metadata=self._metadata)
         return reply

@@ -217,6 +217,12 @@ def dense(dist: SparseDistribution, vocab_size: int, device: torch.device | str 
 _MASK64 = (1 << 64) - 1
 
 
+def choice_seed(seed: int, choice: int) -> int:
+    """The seed of choice `choice` of a request seeded `seed` that asks for several: choice 0
+    keeps the request's own (what the request with one choice draws), the others their own."""
+    return seed if choice == 0 else position_seed(seed, -1 - choice) >> 2
+
+
 def position_seed(seed: int, position: int) -> int:
     """A seed for the draw at absolute `position` of a request seeded `seed` (splitmix64 of
     both): what keys a draw to the history, not to a step, so that it is the same whenever
