@@ -338,10 +338,11 @@ class SessionTable:
     def reserve(self, session: KVSession, tokens: int, evict: bool = True) -> None:
         """Claim room for `session` to hold `tokens` after its next step, evicting if need be.
 
-        Idle sessions' speculative tails (tokens drafted ahead) go first, then idle sessions'
-        caches. Nothing is evicted for a step that is refused: for an evicted session, or when
-        evicting every idle session would still not make room. With evict=False (drafting
-        ahead, which must never cost another session anything) only free room is claimed.
+        Idle sessions' speculative tails (tokens drafted ahead) go first, then kept prefixes,
+        then idle sessions' caches. Nothing is evicted for a step that is refused: for an
+        evicted session, or when evicting every idle session would still not make room. With
+        evict=False (drafting ahead, which must never cost another session anything) only free
+        room is claimed, kept prefixes counting as free.
         """
         session.check_alive()  # an evicted session must not claim room
         self._clock += 1
@@ -360,18 +361,22 @@ class SessionTable:
         others = [s for s in self._sessions.values() if s is not session]
         kept = self.prefix.tokens if self.prefix is not None else 0
         claimed = max(tokens, session.length) + sum(map(claim, others)) + kept
-        if claimed > budget and not evict:
+        if claimed - kept > budget and not evict:
             raise BudgetHeld(f"no free room in the KV budget ({budget} tokens)")
         for s in others:  # tails first: the cheapest room, as nobody has asked for them yet
-            if claimed > budget and s.tail_from is not None and not s.ahead and not s.pending:
+            if evict and claimed > budget and s.tail_from is not None and not s.ahead and not s.pending:
                 before = claim(s)
                 s.trim_tail()
                 s.reserved = min(s.reserved, s.length)
                 claimed -= before - claim(s)
         # Then kept prefixes, least recently used first: a cache of what may come again, where
-        # an idle session's cache is what will.
+        # an idle session's cache is what will. They are free room to any claim, as cached
+        # free blocks are in vLLM: drafting ahead takes them too.
         while claimed > budget and self.prefix is not None and (freed := self.prefix.evict_one()):
             claimed -= freed
+        if not evict:
+            session.reserved = tokens
+            return
         # Only sessions between steps are evicted, least recently used first: evicting one
         # in the middle of its step would throw its work away, and under pressure sessions
         # would evict each other's steps forever. Room held by steps under way frees when

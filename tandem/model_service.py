@@ -363,12 +363,12 @@ class ModelHost:
                                                self.config.device)
         window = models.sliding_window(model)
         # A cache that a decode run's static slot may view is kept as a copy of its own (the
-        # slot is written over by its next owner); any other is kept as it is.
+        # slot is written over by its next owner); any other is kept as it is. Tensor-parallel
+        # ranks copy their mirrors as rank 0 copies its cache (parallel.Lockstep.fork).
         self._keep_prefixes(PREFIX_ENTRIES, copy_cache if runner.decode is not None else None,
-                            "its tensor-parallel ranks mirror each session's cache by identity"
-                            if group is not None else
                             f"its attention has a sliding window ({window} tokens), whose cache "
-                            "cannot be cut to a shorter prefix" if window is not None else None)
+                            "cannot be cut to a shorter prefix" if window is not None else None,
+                            fork=model.fork if isinstance(model, parallel.Lockstep) else fork_cache)
         self.model = model
         log.info("loaded %s on %s (%s, matmul %s) in %.1fs, %d threads; passes (tokens: ms) "
                  "%s; KV cache: %d bytes per token, budget %s",
@@ -425,7 +425,7 @@ class ModelHost:
             backend=LLAMA_CPP,
         )
         self.tokenizer, self.new_cache = tokenizer, engine.new_cache
-        self._keep_prefixes(LLAMA_PREFIX_ENTRIES, None, None)
+        self._keep_prefixes(LLAMA_PREFIX_ENTRIES, None, None, fork=fork_cache)
         self.capabilities = Capabilities(LLAMA_CPP, token_trees=False, hidden_states=False,
                                          exact_positions=engine.trained_context)
         self.scheduler.start(engine, None)
@@ -436,7 +436,8 @@ class ModelHost:
                  ", ".join(f"{t}: {ms:.1f}" for t, ms in pass_times.items()),
                  engine.kv_bytes_per_token(), budget)
 
-    def _keep_prefixes(self, entries: int, keep: Callable[[Any], Any] | None, refusal: str | None) -> None:
+    def _keep_prefixes(self, entries: int, keep: Callable[[Any], Any] | None, refusal: str | None,
+                       fork: Callable[[Any, int], Any]) -> None:
         """The prefix cache, where --prefix-cache is on and the model's caches allow it."""
         cfg = self.config
         if cfg.prefix_cache != "on":
@@ -446,7 +447,7 @@ class ModelHost:
             return
         most = cfg.prefix_cache_tokens or self.sessions.kv_budget_tokens or DEFAULT_PREFIX_TOKENS
         self.sessions.prefix = PrefixCache(
-            max_tokens=most, max_entries=entries, fork=fork_cache, keep=keep or (lambda cache: cache),
+            max_tokens=most, max_entries=entries, fork=fork, keep=keep or (lambda cache: cache),
             on_evict=lambda tokens: self.metrics.prefix_evicted(),
             on_change=lambda: self.metrics.prefix_held(self.prefix_tokens))
         log.info("prefix cache: up to %d tokens in %d entries, evicted before any session's cache",

@@ -14,7 +14,9 @@ session's lengths and tree, `lm.Layout`), from which every rank builds its own m
 same one on its shard, against its own mirror of that cache, cut back to the same length
 first. That is the whole protocol: rollbacks need no message of their own, since the next
 call names the length, and a mirror dies with rank 0's cache (a weakref finalizer queues
-its key, sent with the next message). Control messages travel on a gloo group of their own
+its key, sent with the next message). A copy of a cache's prefix (a session started from the
+prefix cache, `Lockstep.fork`) is queued the same way, and every rank makes the same copy of
+its mirror before the next call, which is the first that can name the copy. Control messages travel on a gloo group of their own
 (on CUDA the model's collectives run on NCCL), and rank 0 sends a heartbeat when idle.
 
 Failure: every collective is bounded by `tp_timeout_s`. A rank that dies breaks its
@@ -43,6 +45,7 @@ import torch.distributed as dist
 from transformers import DynamicCache
 
 from tandem.errors import Unavailable
+from tandem.kv import fork_cache
 from tandem.lm import BATCH_KWARGS, BatchCache, Layout
 from tandem.topology import ParallelError, Topology
 
@@ -67,8 +70,18 @@ class Call:
 
 
 @dataclass(frozen=True)
+class Fork:
+    """A cache rank 0 made from the first `length` tokens of another (tandem.kv.fork_cache)."""
+
+    key: int  # the copy's
+    source: int  # the cache it copies
+    length: int
+
+
+@dataclass(frozen=True)
 class Message:
     frees: tuple[int, ...]  # cache keys rank 0 has dropped since the last message
+    forks: tuple[Fork, ...] = ()  # copies rank 0 made since the last message, made before the frees
     call: Call | None = None  # None: a heartbeat
     stop: bool = False  # rank 0 is stopping: exit cleanly
 
@@ -162,8 +175,10 @@ class Lockstep:
         self.failure: BaseException | None = None
         self._lock = threading.Lock()  # one message, then its call, at a time
         self._keys: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+        self._keys_lock = threading.Lock()  # the worker names caches, the event loop forks them
         self._next_key = 0
         self._frees: collections.deque[int] = collections.deque()  # finalizers append, any thread
+        self._forks: collections.deque[Fork] = collections.deque()
         self._last_sent = time.monotonic()
         self._stopped = threading.Event()
         self._heartbeat = threading.Thread(target=self._beat, name="tp-heartbeat", daemon=True)
@@ -173,18 +188,29 @@ class Lockstep:
         return getattr(self.model, name)
 
     def _key(self, cache: Any) -> int:
-        key = self._keys.get(cache)
-        if key is None:
-            self._next_key += 1
-            key = self._keys[cache] = self._next_key
-            weakref.finalize(cache, self._frees.append, key)
-        return key
+        with self._keys_lock:
+            key = self._keys.get(cache)
+            if key is None:
+                self._next_key += 1
+                key = self._keys[cache] = self._next_key
+                weakref.finalize(cache, self._frees.append, key)
+            return key
+
+    def fork(self, cache: Any, length: int) -> Any:
+        """`kv.fork_cache` on every rank: a copy of `cache`'s first `length` tokens here, and
+        the same copy of each follower's mirror, made before the next call."""
+        copy = fork_cache(cache, length)
+        self._forks.append(Fork(self._key(copy), self._key(cache), length))
+        return copy
 
     def _message(self, call: Call | None = None, stop: bool = False) -> Message:
+        forks = []
+        while self._forks:  # before the frees: a copy's source may be dropped right after it
+            forks.append(self._forks.popleft())
         frees = []
         while self._frees:
             frees.append(self._frees.popleft())
-        return Message(tuple(frees), call, stop)
+        return Message(tuple(frees), tuple(forks), call, stop)
 
     def __call__(self, **kwargs: Any) -> Any:
         cache = kwargs.get("cache")
@@ -259,6 +285,9 @@ def follow(model: Any, group: Group, device: torch.device | str, pulse: Pulse) -
     while True:
         message = group.receive()
         pulse.beat()
+        for fork in message.forks:
+            if fork.source in caches:  # else the copy's first call finds no mirror, and fails
+                caches[fork.key] = fork_cache(caches[fork.source], fork.length)
         for key in message.frees:
             caches.pop(key, None)
         if message.stop:

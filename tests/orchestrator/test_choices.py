@@ -66,8 +66,7 @@ def test_a_stream_tags_each_choice_and_ends_each_with_a_summary(tiny_stack: Stac
 
 @pytest.mark.parametrize("n", [17, 100])
 def test_too_many_choices_are_refused_naming_n(tiny_stack: Stack, n: int) -> None:
-    with tiny_stack.client() as client:
-        with pytest.raises(grpc.RpcError) as err:
-            client.generate(PROMPT, max_new_tokens=2, n=n)
+    with tiny_stack.client() as client, pytest.raises(grpc.RpcError) as err:
+        client.generate(PROMPT, max_new_tokens=2, n=n)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert f"n must be in [1, 16] (--max-choices), got {n}" in (err.value.details() or "")

@@ -117,6 +117,49 @@ def test_chat_uses_the_tokenizers_template(stack: Stack, client: openai.OpenAI) 
     assert streamed[-1].choices[0].finish_reason == "length"
 
 
+def test_a_later_turn_reports_the_prompt_tokens_its_prefix_cache_served(client: openai.OpenAI) -> None:
+    name = model_name(client)
+    messages = [{"role": "system", "content": "you answer in code, tersely, and never twice the same"},
+                {"role": "user", "content": "fib please"}]
+    first = client.chat.completions.create(model=name, messages=messages, max_completion_tokens=12,  # type: ignore[arg-type]
+                                           temperature=0, extra_body={"ignore_eos": True})
+    assert first.usage is not None and first.usage.prompt_tokens_details is not None
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    messages += [{"role": "assistant", "content": first.choices[0].message.content or ""},
+                 {"role": "user", "content": "again"}]
+    for _ in range(50):  # the first turn's sessions close just after its reply
+        second = client.chat.completions.create(model=name, messages=messages, max_completion_tokens=4,  # type: ignore[arg-type]
+                                                temperature=0, extra_body={"ignore_eos": True})
+        assert second.usage is not None and second.usage.prompt_tokens_details is not None
+        if second.usage.prompt_tokens_details.cached_tokens:
+            break
+        time.sleep(0.1)
+    # At least the first turn's prompt (this template writes "assistant: " before a message it
+    # is given, where the reply followed "assistant:": the reply itself is not a common prefix).
+    assert first.usage.prompt_tokens <= second.usage.prompt_tokens_details.cached_tokens < second.usage.prompt_tokens
+
+
+def test_n_choices_come_indexed_whole_and_streamed(client: openai.OpenAI) -> None:
+    name = model_name(client)
+    reply = client.completions.create(model=name, prompt=PROMPT, max_tokens=8, temperature=0, n=3,
+                                      extra_body={"ignore_eos": True})
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    assert len({c.text for c in reply.choices}) == 1  # greedy: the same three times
+    assert reply.usage is not None and reply.usage.completion_tokens == 24
+    assert reply.usage.prompt_tokens == len(PROMPT)
+    chunks = list(client.chat.completions.create(
+        model=name, messages=[{"role": "user", "content": "hi"}], max_tokens=6, temperature=1.0,
+        seed=5, n=2, stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    texts = {0: "", 1: ""}
+    for chunk in chunks[:-1]:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert all(texts.values())
+    ends = [c.choices[0].finish_reason for c in chunks[:-1] if c.choices and c.choices[0].finish_reason]
+    assert ends == ["length", "length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 12
+
+
 def test_stop_strings_and_seeds(client: openai.OpenAI) -> None:
     name = model_name(client)
     text = client.completions.create(model=name, prompt=PROMPT, max_tokens=40, temperature=0,
@@ -134,7 +177,9 @@ def test_stop_strings_and_seeds(client: openai.OpenAI) -> None:
 
 
 @pytest.mark.parametrize("body,param", [
-    ({"n": 2}, "n"),
+    ({"n": 17}, "n"),  # past --max-choices
+    ({"n": 0}, "n"),
+    ({"best_of": 2}, "best_of"),
     ({"temperature": -1}, "temperature"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"logprobs": 3}, "logprobs"),

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
-from laws import T1, TRUNCATED, assert_law_through, small_pair
+from laws import TRUNCATED, assert_law_through, small_pair
 from scrape import sample
 from tiny import greedy_reference
 
@@ -68,12 +68,13 @@ def test_a_replica_without_the_prefix_cache_reports_none(tiny_draft: Path, tiny_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("params", [T1, TRUNCATED], ids=["t1", "truncated"])
-def test_sampling_from_kept_prefixes_follows_the_target_law(tiny_dir: Path, params) -> None:  # type: ignore[no-untyped-def]
+def test_sampling_from_kept_prefixes_follows_the_target_law(tiny_dir: Path) -> None:
     """Every request of the law test shares its long prompt: all but the first start from a
-    kept prefix on both tiers, and the first three tokens still follow the target's law."""
+    kept prefix on both tiers, and the first three tokens still follow the target's law (under
+    truncation, whose warpers the target and the draft both apply; the llama.cpp law test
+    samples from kept sequences at temperature 1)."""
     target, draft = small_pair(tiny_dir)
     stack = start_stack(str(draft), str(target))
     usages: list[object] = []
-    assert_law_through(stack, target, params, long_prompt=True, usages=usages)
+    assert_law_through(stack, target, TRUNCATED, long_prompt=True, usages=usages)
     assert sum(u.target_cached_tokens > 0 for u in usages) > len(usages) // 2  # type: ignore[attr-defined]

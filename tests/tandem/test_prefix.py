@@ -123,8 +123,11 @@ def test_kept_prefixes_give_way_before_idle_sessions() -> None:
     _, busy = table.open("busy", 40)
     table.reserve(busy, 40)  # 30 + 60 kept + 40: the older kept prefix goes, no session
     assert not idle.evicted and [e.token_ids for e in table.prefix.entries()] == [tokens(100, 20)]  # type: ignore[union-attr]
-    with pytest.raises(BudgetHeld):  # drafting ahead takes free room only, kept prefixes not
-        table.reserve(busy, 60, evict=False)
+    # Drafting ahead takes free room only, kept prefixes counting as free: never a session's.
+    table.reserve(busy, 70, evict=False)
+    assert not idle.evicted and not table.prefix.entries()  # type: ignore[union-attr]
+    with pytest.raises(BudgetHeld):
+        table.reserve(busy, 71, evict=False)
 
 
 def test_a_session_closed_with_a_pass_pending_is_kept_once_it_is_still() -> None:

@@ -99,6 +99,23 @@ def test_greedy_output_equals_the_target_alone(family: tuple[Path, Stack], k: in
         assert 0 < accepted < drafted  # blocks were kept and rolled back
 
 
+def test_a_later_turn_starts_from_a_kept_prefix_on_every_rank(family: tuple[Path, Stack]) -> None:
+    """Rank 0 keeps a finished session's cache and every follower its mirror; the next turn
+    starts from a copy of both (Lockstep.fork) and decodes the target's own greedy tokens."""
+    target, stack = family
+    first = [2 + (5 * i) % 31 for i in range(30)]
+    with stack.client() as client:
+        reply = client.generate(first, max_new_tokens=8, num_speculative_tokens=2, ignore_eos=True)
+        second = [*first, *reply.token_ids, 4]
+        for _ in range(50):  # the first turn's session closes just after its reply
+            again = client.generate(second, max_new_tokens=8, num_speculative_tokens=2, ignore_eos=True)
+            if again.usage.target_cached_tokens:
+                break
+            time.sleep(0.1)
+    assert again.usage.target_cached_tokens >= len(first) + 7
+    assert list(again.token_ids) == greedy_reference(target, second, 8)
+
+
 def test_evicted_sessions_are_rebuilt_on_every_rank(tiny_draft: Path, tiny_target: Path) -> None:
     # Four concurrent sessions of ~50 tokens against a 120-token budget:
     # rank 0 evicts caches, and the followers must drop and rebuild their mirrors with it.
