@@ -12,9 +12,10 @@ import itertools
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
-from laws import ALPHA, T1, exact_law, p_value, rows, sample_cells, small_pair
+from laws import ALPHA, LONG_PROMPT, T1, exact_law, p_value, rows, sample_cells, small_pair
 from replicas import GAUGES, wait_for_baseline
 from tiny import greedy_reference, random_prompts, speculated
 
@@ -78,12 +79,17 @@ def test_sixteen_mixed_sessions_sharing_passes_each_equal_the_target_alone(
 
 
 def test_sampled_law_holds_while_sessions_share_the_batch(tiny_dir: Path) -> None:
+    """8 requests at a time share passes; each after the first few starts from the prompt the
+    replicas kept (the prefix cache): the law holds through both."""
     target, draft = small_pair(tiny_dir / "batched-v6")
     stack = start_stack(str(draft), str(target), draft_args=METRICS, target_args=METRICS)
     try:
-        counts, accepted, drafted = sample_cells(stack, T1, "draft-model")  # 8 requests at a time
+        usages: list[Any] = []
+        counts, accepted, drafted = sample_cells(stack, T1, "draft-model", usages=usages, prompt=LONG_PROMPT)
         assert 0 < accepted < drafted
-        assert p_value(counts, exact_law(rows(target, T1))) > ALPHA
+        assert p_value(counts, exact_law(rows(target, T1, tuple(LONG_PROMPT)))) > ALPHA
+        assert sum(u.target_cached_tokens > 0 for u in usages) > len(usages) // 2
+        assert sum(u.draft_cached_tokens > 0 for u in usages) > len(usages) // 2
         assert mean_batch(stack.targets[0]) > 1.5
         assert mean_batch(stack.drafts[0]) > 1.5
     finally:

@@ -7,11 +7,10 @@ import time
 from pathlib import Path
 
 import pytest
-from laws import TRUNCATED, assert_law_through, small_pair
 from scrape import sample
 from tiny import greedy_reference
 
-from tandem.launch import Process, Stack, start_stack
+from tandem.launch import Process, Stack
 
 LENGTH = 16
 
@@ -51,30 +50,3 @@ def test_a_later_turn_starts_from_the_earlier_one_on_both_tiers(tiny_stack: Stac
     if k:
         assert len(first) <= again.usage.draft_cached_tokens < len(second)
     assert list(again.token_ids) == greedy_reference(tiny_target, second, LENGTH)
-
-
-def test_a_replica_without_the_prefix_cache_reports_none(tiny_draft: Path, tiny_target: Path) -> None:
-    off = ["--prefix-cache", "off", "--metrics-port", "0"]
-    stack = start_stack(str(tiny_draft), str(tiny_target), draft_args=off, target_args=off)
-    try:
-        prompt = turn(1, 30)
-        with stack.client() as client:
-            client.generate(prompt, max_new_tokens=4, num_speculative_tokens=2, ignore_eos=True)
-            ended(*stack.drafts, *stack.targets)
-            again = client.generate(prompt, max_new_tokens=4, num_speculative_tokens=2, ignore_eos=True)
-        assert again.usage.target_cached_tokens == again.usage.draft_cached_tokens == 0
-    finally:
-        stack.stop()
-
-
-@pytest.mark.slow
-def test_sampling_from_kept_prefixes_follows_the_target_law(tiny_dir: Path) -> None:
-    """Every request of the law test shares its long prompt: all but the first start from a
-    kept prefix on both tiers, and the first three tokens still follow the target's law (under
-    truncation, whose warpers the target and the draft both apply; the llama.cpp law test
-    samples from kept sequences at temperature 1)."""
-    target, draft = small_pair(tiny_dir)
-    stack = start_stack(str(draft), str(target))
-    usages: list[object] = []
-    assert_law_through(stack, target, TRUNCATED, long_prompt=True, usages=usages)
-    assert sum(u.target_cached_tokens > 0 for u in usages) > len(usages) // 2  # type: ignore[attr-defined]

@@ -169,7 +169,7 @@ def test_a_later_turn_from_kept_sequences_decodes_what_a_cold_one_does(
             cold = client.generate(second, max_new_tokens=LENGTH, num_speculative_tokens=4, ignore_eos=True)
     finally:
         cold_stack.stop()
-    assert cold.usage.target_cached_tokens == 0
+    assert cold.usage.target_cached_tokens == cold.usage.draft_cached_tokens == 0  # --prefix-cache off
     assert list(warm.token_ids) == list(cold.token_ids)
 
 
