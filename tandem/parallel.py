@@ -16,8 +16,9 @@ first. That is the whole protocol: rollbacks need no message of their own, since
 call names the length, and a mirror dies with rank 0's cache (a weakref finalizer queues
 its key, sent with the next message). A copy of a cache's prefix (a session started from the
 prefix cache, `Lockstep.fork`) is queued the same way, and every rank makes the same copy of
-its mirror before the next call, which is the first that can name the copy. Control messages travel on a gloo group of their own
-(on CUDA the model's collectives run on NCCL), and rank 0 sends a heartbeat when idle.
+its mirror before the next call, which is the first that can name the copy. Control messages
+travel on a gloo group of their own (on CUDA the model's collectives run on NCCL), and rank 0
+sends a heartbeat when idle.
 
 Failure: every collective is bounded by `tp_timeout_s`. A rank that dies breaks its
 connections at once; one that stalls times out. Rank 0 then refuses every later step

@@ -80,11 +80,12 @@ class PrefixCache:
     on_change: Callable[[], None] = lambda: None  # after an entry came or went
     _by_block: dict[tuple[int, ...], list[Entry]] = field(default_factory=dict)
     _clock: Any = field(default_factory=itertools.count)
+    _tokens: int = 0  # over every entry: read by the session table at every step's reservation
     stats: PrefixStats = PrefixStats()
 
     @property
     def tokens(self) -> int:
-        return sum(len(e.token_ids) for e in self.entries())
+        return self._tokens
 
     def entries(self) -> list[Entry]:
         return [e for bucket in self._by_block.values() for e in bucket]
@@ -120,7 +121,9 @@ class PrefixCache:
                 return
             if tokens[:len(entry.token_ids)] == entry.token_ids:  # this one serves all it would
                 bucket.remove(entry)
+                self._tokens -= len(entry.token_ids)
         bucket.append(Entry(tokens, self.keep(cache), next(self._clock)))
+        self._tokens += len(tokens)
         while self.tokens > self.max_tokens or len(self.entries()) > self.max_entries:
             self.evict_one()
         self.on_change()
@@ -135,14 +138,11 @@ class PrefixCache:
         bucket.remove(victim)
         if not bucket:
             del self._by_block[victim.token_ids[:BLOCK_TOKENS]]
+        self._tokens -= len(victim.token_ids)
         self.stats = _add(self.stats, evictions=1)
         self.on_evict(len(victim.token_ids))
         self.on_change()
         return len(victim.token_ids)
-
-    def clear(self) -> None:
-        while self.evict_one():
-            pass
 
 
 def _add(stats: PrefixStats, **counts: int) -> PrefixStats:
