@@ -28,6 +28,7 @@ class Process:
     address: str
     lines: list[str] = field(default_factory=list)
     argv: tuple[str, ...] = ()  # what `spawn` ran: `tandem <argv>`, less the address
+    terminated: bool = False
 
     @property
     def metrics_url(self) -> str | None:
@@ -69,9 +70,15 @@ class Process:
                 samples[sample.name] = samples.get(sample.name, 0.0) + sample.value
         return samples
 
+    def terminate(self) -> None:
+        """SIGTERM, once: the service drains, then exits."""
+        if not self.terminated and self.proc.poll() is None:
+            self.proc.terminate()
+            self.terminated = True
+
     def stop(self, sig_timeout: float = 30.0) -> int:
         if self.proc.poll() is None:
-            self.proc.terminate()
+            self.terminate()
             try:
                 return self.proc.wait(timeout=sig_timeout)
             except subprocess.TimeoutExpired:
@@ -88,52 +95,69 @@ def spawn(argv: Sequence[str], env: dict[str, str] | None = None, port: int = 0,
     """Run `tandem <argv>` on host:port (0: a free port); return once it prints its address.
 
     Its output is kept in `Process.lines`, and also written to `log_file` when given."""
-    # A SIGINT or SIGTERM that lands inside Popen, after the fork, would leave a child that no
-    # one knows of (found by tandem up stopped while it starts its services): hold both until
-    # `proc` exists and the handler below can stop it. The child starts with them held too;
-    # tandem.cli releases them first thing.
-    held = signal.pthread_sigmask(signal.SIG_BLOCK, HELD_SIGNALS)
-    try:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "tandem.cli", *argv, "--host", host, "--port", str(port)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env={**os.environ, **(env or {})},
-        )
-    except BaseException:
-        signal.pthread_sigmask(signal.SIG_SETMASK, held)
-        raise
-    assert proc.stdout is not None
-    lines: list[str] = []
-    log: TextIO | None = None
+    return Launch(argv, env, port, host, log_file).announced()
 
-    def keep(line: str) -> None:
-        lines.append(line)
-        if log is not None:
-            log.write(line)
 
-    def read_on() -> None:  # the child must never block on a full pipe
-        for line in proc.stdout or []:
-            keep(line)
-        if log is not None:
-            log.close()
+class Launch:
+    """`tandem <argv>` started, not yet announced: several start at once (their imports, most
+    of a start, overlap), then each is awaited with `announced`."""
 
-    try:
-        signal.pthread_sigmask(signal.SIG_SETMASK, held)  # a signal held meanwhile lands here
-        log = open(log_file, "w", buffering=1) if log_file else None  # noqa: SIM115 - the reader closes it
-        for line in proc.stdout:
-            keep(line)
-            if " listening on " in line:
-                process = Process(proc, line.rsplit(" ", 1)[1].strip(), lines, tuple(argv))
-                threading.Thread(target=read_on, daemon=True).start()
-                return process
-    except BaseException:  # interrupted before it announced itself: it is nobody's to stop
-        proc.kill()
-        proc.wait()
-        raise
-    finally:
-        if log is not None and proc.poll() is not None:
-            log.close()
-    raise RuntimeError(f"tandem {argv[0]} exited with {proc.wait()}:\n{''.join(lines)}")
+    def __init__(self, argv: Sequence[str], env: dict[str, str] | None = None, port: int = 0,
+                 host: str = "127.0.0.1", log_file: Path | None = None) -> None:
+        # A SIGINT or SIGTERM that lands inside Popen, after the fork, would leave a child that
+        # no one knows of (found by tandem up stopped while it starts its services): hold both
+        # until `proc` exists and the caller can stop it. The child starts with them held too;
+        # tandem.cli releases them first thing.
+        self.argv = tuple(argv)
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, HELD_SIGNALS)
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "tandem.cli", *argv, "--host", host, "--port", str(port)],
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                env={**os.environ, **(env or {})},
+            )
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)  # a signal held meanwhile lands here
+        self.log_file = log_file
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+    def announced(self) -> Process:
+        """The process, once it prints its address; killed if it exits or this is interrupted
+        first."""
+        proc = self.proc
+        assert proc.stdout is not None
+        lines: list[str] = []
+        log: TextIO | None = None
+
+        def keep(line: str) -> None:
+            lines.append(line)
+            if log is not None:
+                log.write(line)
+
+        def read_on() -> None:  # the child must never block on a full pipe
+            for line in proc.stdout or []:
+                keep(line)
+            if log is not None:
+                log.close()
+
+        try:
+            log = open(self.log_file, "w", buffering=1) if self.log_file else None  # noqa: SIM115 - the reader closes it
+            for line in proc.stdout:
+                keep(line)
+                if " listening on " in line:
+                    process = Process(proc, line.rsplit(" ", 1)[1].strip(), lines, self.argv)
+                    threading.Thread(target=read_on, daemon=True).start()
+                    return process
+        except BaseException:  # interrupted before it announced itself: it is nobody's to stop
+            self.kill()
+            raise
+        finally:
+            if log is not None and proc.poll() is not None:
+                log.close()
+        raise RuntimeError(f"tandem {self.argv[0]} exited with {proc.wait()}:\n{''.join(lines)}")
 
 
 def restart(process: Process, tls: ClientTls | None = None) -> Process:
@@ -178,8 +202,18 @@ class Stack:
         return TandemClient(self.address, tls=self.tls, token=self.token)
 
     def stop(self) -> None:
-        for p in (self.orchestrator, *self.drafts, *self.targets):
-            p.stop()
+        """The orchestrator first (it ends its sessions on the replicas), then every replica at
+        once: each drains on its own."""
+        self.orchestrator.stop()
+        stop_all([*self.drafts, *self.targets])
+
+
+def stop_all(processes: Sequence[Process]) -> None:
+    """SIGTERM to each, then wait for each (a kill after its own timeout)."""
+    for p in processes:
+        p.terminate()
+    for p in processes:
+        p.stop()
 
 
 def start_stack(draft_model: str | None, target_model: str, *, num_drafts: int = 1,
@@ -202,30 +236,43 @@ def start_stack(draft_model: str | None, target_model: str, *, num_drafts: int =
     """
     common = ["--threads", str(threads)]
     started: list[tuple[str, Process]] = []  # stopped if anything fails, a signal included
+    pending: list[Launch] = []  # started, not yet announced: killed if anything fails
 
-    def start(argv: list[str], port: int = 0, host: str = "127.0.0.1") -> Process:
+    def launch(argv: list[str], port: int = 0, host: str = "127.0.0.1") -> tuple[str, Launch]:
         role = argv[0].removesuffix("-service")
-        count = sum(1 for r, _ in started if r.split("-")[0] == role)
+        count = sum(1 for r, _ in names if r.split("-")[0] == role)
         name = role if count == 0 else f"{role}-{count}"
+        names.append((name, argv[0]))
         log_file = log_dir / f"{name}.log" if log_dir else None
-        started.append((name, spawn(argv, port=port, host=host, log_file=log_file)))
-        return started[-1][1]
+        pending.append(Launch(argv, port=port, host=host, log_file=log_file))
+        return name, pending[-1]
 
+    def announced(name: str, started_one: Launch) -> Process:
+        process = started_one.announced()
+        pending.remove(started_one)
+        started.append((name, process))
+        return process
+
+    names: list[tuple[str, str]] = []
     try:
-        drafts = [start(["draft-service", "--model", draft_model, "--dtype", draft_dtype, *common,
-                         *draft_args]) for _ in range(num_drafts)] if draft_model else []
-        targets = [start(["target-service", "--model", target_model, "--dtype", target_dtype, *common,
-                          *target_args]) for _ in range(num_targets)]
+        # The replicas start at once; the orchestrator, which needs their addresses, after.
+        replicas = [launch(["draft-service", "--model", draft_model, "--dtype", draft_dtype,
+                            *common, *draft_args]) for _ in range(num_drafts)] if draft_model else []
+        replicas += [launch(["target-service", "--model", target_model, "--dtype", target_dtype,
+                             *common, *target_args]) for _ in range(num_targets)]
+        processes = [announced(name, one) for name, one in replicas]
+        drafts, targets = processes[:len(processes) - num_targets], processes[len(processes) - num_targets:]
         # No --tokenizer: the orchestrator loads the one the target serves.
-        orch = start(["orchestrator", "--draft", ",".join(p.address for p in drafts),
-                      "--target", ",".join(p.address for p in targets), *orchestrator_args],
-                     port=port, host=host)
+        orch = announced(*launch(["orchestrator", "--draft", ",".join(p.address for p in drafts),
+                                  "--target", ",".join(p.address for p in targets),
+                                  *orchestrator_args], port=port, host=host))
         for name, p in started:
             wait_serving(p, tls=tls)
             if on_ready is not None:
                 on_ready(name)
     except BaseException:
-        for _, p in reversed(started):
-            p.stop()
+        for one in pending:
+            one.kill()
+        stop_all([p for _, p in reversed(started)])
         raise
     return Stack(drafts, targets, orch, tls, token)
