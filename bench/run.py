@@ -42,7 +42,7 @@ from bench import tiny
 from bench.prompts import Prompt, prompts
 from orchestrator.config import OrchestratorConfig
 from orchestrator.policy import expected_tokens
-from tandem import llama, matmul, models
+from tandem import batching, llama, matmul, models
 from tandem.client import TandemClient
 from tandem.kv import KVSession
 from tandem.launch import Process, spawn, wait_serving
@@ -259,13 +259,13 @@ def measure_verify_ratio(model: Any, prompt_ids: list[int], sizes: range, reps: 
     """v(n) / v(1) for n in sizes: the target's cost to append n tokens to a warm cache,
     against one token; medians of `reps` interleaved passes, in this process."""
     session = KVSession("verify-cost", models.logits_width(model))
-    session.forward(model, prompt_ids, logits_to_keep=1)
+    batching.forward(session, model, prompt_ids, logits_to_keep=1)
     start, times = session.length, defaultdict(list)
     for _ in range(reps):
         for n in sizes:
             session.rollback(start)
             began = time.perf_counter()
-            session.forward(model, prompt_ids[:n], logits_to_keep=n)
+            batching.forward(session, model, prompt_ids[:n], logits_to_keep=n)
             times[n].append(time.perf_counter() - began)
     one = statistics.median(times[1])
     return {n: statistics.median(times[n]) / one for n in sizes}

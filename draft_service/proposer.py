@@ -55,12 +55,15 @@ class DraftState:
     """What a session's cache lets the next step reuse, under one request's parameters.
 
     positions[p] is what the draft computed at position p from the cache's first p tokens:
-    valid while p <= the cache's length (a cut drops what follows; every append below prunes
-    the positions past its cut first).
+    valid while p <= the cache's length (a cut drops what follows: `rollback`).
     """
 
     key: tuple[sampling.SamplingParams, int]  # (params, max_support_size) of the dists
     positions: dict[int, Position] = field(default_factory=dict)
+
+    def rollback(self, position: int) -> bool:
+        self.positions = {p: d for p, d in self.positions.items() if p <= position}
+        return bool(self.positions)
 
 
 class Drafter:
@@ -74,9 +77,10 @@ class Drafter:
 
     def state(self) -> DraftState:
         key = (self.params, self.max_support_size)
-        state = self.session.proposer_state.get("draft")
+        state = self.session.states.get(DraftState)
         if state is None or state.key != key:
-            state = self.session.proposer_state["draft"] = DraftState(key)
+            state = DraftState(key)
+            self.session.states.put(state)
         return state
 
     def known(self, history: list[int]) -> Position | None:
@@ -96,8 +100,6 @@ class Drafter:
         common = next((i for i, (a, b) in enumerate(zip(held, history)) if a != b),
                       min(len(held), len(history)))
         keep = min(common, len(history) - 1)  # at least the last token is fed: its logits are q
-        state = self.state()
-        state.positions = {p: d for p, d in state.positions.items() if p <= keep}
         params, support = self.params, self.max_support_size
 
         def read(out: PassOutput) -> Position:
@@ -108,7 +110,7 @@ class Drafter:
 
         computed: Position = (await self.forward(Pass(self.session, keep, tuple(history[keep:]),
                                                       reduce=read))).value
-        self.state().positions[len(history)] = computed  # after the pass: a reset at 0 clears the state
+        self.state().positions[len(history)] = computed  # after the pass (its rollback drops what it cut)
         return computed, False
 
     async def draft(self, history: list[int], k: int) -> tuple[list[int], list[sampling.SparseDistribution], int]:
@@ -133,24 +135,24 @@ def fork(session: KVSession, length: int) -> KVSession:
     branch = KVSession(f"{session.session_id}/guess", session.vocab_size,
                        new_cache=session.new_cache, cache=fork_cache(session.cache, length))
     branch.token_ids = session.token_ids[:length]
-    state = session.proposer_state.get("draft")
+    state = session.states.get(DraftState)
     if state is not None:
-        branch.proposer_state["draft"] = DraftState(
-            state.key, {p: d for p, d in state.positions.items() if p <= length})
+        branch.states.put(DraftState(state.key, {p: d for p, d in state.positions.items() if p <= length}))
     return branch
 
 
 def adopt(session: KVSession, history: list[int]) -> None:
     """If drafting ahead guessed `history` in a copy of the cache, take that copy's cache; and
     drop every other guess (they were for this step only)."""
-    guesses = session.proposer_state.pop("guesses", None)
-    session.tail_extra = 0
+    guesses, session.guesses, session.tail_extra = session.guesses, None, 0
     if guesses is None:
         return
     for guess in guesses.guesses:
         if guess.history == history and guess.session is not session:
             session.cache, session.token_ids = guess.session.cache, guess.session.token_ids
-            session.proposer_state["draft"] = guess.session.proposer_state.get("draft")
+            session.states.pop(DraftState)
+            if (state := guess.session.states.get(DraftState)) is not None:
+                session.states.put(state)
 
 
 async def propose_block(
@@ -234,7 +236,7 @@ async def draft_ahead(forward: Forward, session: KVSession, history: list[int],
                 prefix = history + list(block[:i])
                 guess = next(t for t in drawn.ranked if t != block[i])
                 guesses.guesses.append(Guess([*prefix, guess], fork(session, len(prefix))))
-    session.proposer_state["guesses"] = guesses
+    session.guesses = guesses
     session.tail_extra = sum(len(g.history) + depth for g in guesses.guesses)
 
     async def grow(guess: Guess) -> None:

@@ -170,16 +170,81 @@ def use_batched_attention(model: CausalLM) -> None:
     model.set_attn_implementation(BATCHED_ATTENTION)
 
 
+def last_rows(n: int, keep: int, device: torch.device) -> torch.Tensor:
+    """`logits_to_keep` for the last `keep` of n rows, as indices: the model then gathers them
+    into a fresh tensor. An int makes it slice a strided view, which torch (2.13, CPU, bf16)
+    projects onto the vocabulary by first copying the whole head weight: 1 s a pass for
+    Qwen2.5-1.5B, whatever n."""
+    return torch.arange(n - keep, n, device=device)
+
+
+@torch.inference_mode()
+def forward(session: KVSession, model: CausalLM, token_ids: list[int], logits_to_keep: int) -> torch.Tensor:
+    """Append token_ids to the session's cache; return the last `logits_to_keep` logits [n, vocab] (on the
+    model's device, in its dtype)."""
+    device = model.get_input_embeddings().weight.device
+    ids = torch.tensor([token_ids], dtype=torch.long, device=device)
+    # transformers >= 5.24 names the argument `cache` (past_key_values is deprecated); the
+    # DynamicCache is updated in place.
+    with host.forward(device):
+        out = model(input_ids=ids, cache=session.cache, use_cache=True,
+                    logits_to_keep=last_rows(len(token_ids), logits_to_keep, device))
+    logits: torch.Tensor = out.logits[0, -logits_to_keep:]
+    return logits
+
+
+@torch.inference_mode()
+def forward_best(session: KVSession, model: CausalLM, head: Any, token_ids: list[int], rows: int) -> torch.Tensor:
+    """`forward`, reading only the argmax id of each of the last `rows` rows [rows] (on the
+    model's device), through the model's decoder and `head` (tandem.head.VocabChunks)."""
+    device = model.get_input_embeddings().weight.device
+    ids = torch.tensor([token_ids], dtype=torch.long, device=device)
+    with host.forward(device):
+        states = model.get_decoder()(input_ids=ids, cache=session.cache, use_cache=True).last_hidden_state
+        best: torch.Tensor = head.argmax(states[0, -rows:])
+    return best
+
+
+@torch.inference_mode()
+def forward_segment(session: KVSession, model: CausalLM, token_ids: list[int], segment: Segment,
+                    with_hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Append token_ids (history), score `segment` after them in the same pass, forget the segment.
+
+    Returns logits [1 + t, vocab] (on the model's device) after the last history token and after each
+    segment token, and with_hidden the last hidden states [1 + t, hidden] at those
+    positions. The cache ends holding exactly the history: the segment's entries sit at
+    non-sequential positions, so they are cropped and never reused.
+    """
+    device = model.get_input_embeddings().weight.device
+    dtype = model.get_input_embeddings().weight.dtype
+    cached, n, t = session.length, len(token_ids), len(segment.token_ids)
+    where: dict[str, torch.Tensor] = {}  # no segment: the model's own mask (sliding windows too)
+    if t:
+        rows = Rows(cached, n, segment.offsets, segment.visible)
+        allowed = rows.mask(None, device)  # [1, 1, n + t, cached + n + t]
+        assert allowed is not None  # a segment always has one
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+        where = {"attention_mask": mask, "position_ids": torch.tensor([rows.positions()], device=device)}
+    with host.forward(device):
+        out = model(input_ids=torch.tensor([[*token_ids, *segment.token_ids]], device=device),
+                    cache=session.cache, use_cache=True, output_hidden_states=with_hidden,
+                    logits_to_keep=last_rows(n + t, t + 1, device), **where)
+    session.rollback(cached + n)
+    logits: torch.Tensor = out.logits[0]
+    hidden = out.hidden_states[-1][0, n - 1:] if with_hidden else None
+    return logits, hidden
+
+
 def single(model: CausalLM, p: Pass, head: Any = None) -> PassOutput:
     """A pass on its own: the per-session forward, with the model's own mask. `head`: the
     model's `tandem.head.VocabChunks`, where installed."""
     p.session.extend(p.cache_position, p.token_ids)
     if not p.segment.token_ids and not p.with_hidden:
         if p.greedy and head is not None:
-            return finish(p, None, None, p.session.forward_best(model, head, list(p.token_ids), p.logits_to_keep))
-        return finish(p, p.session.forward(model, list(p.token_ids), p.logits_to_keep), None)
+            return finish(p, None, None, forward_best(p.session, model, head, list(p.token_ids), p.logits_to_keep))
+        return finish(p, forward(p.session, model, list(p.token_ids), p.logits_to_keep), None)
     assert p.logits_to_keep == 1, "a pass with a segment or hidden states keeps one history row"
-    logits, hidden = p.session.forward_segment(model, list(p.token_ids), p.segment, p.with_hidden)
+    logits, hidden = forward_segment(p.session, model, list(p.token_ids), p.segment, p.with_hidden)
     return finish(p, logits, hidden)
 
 

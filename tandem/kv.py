@@ -12,12 +12,11 @@ import asyncio
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, TypeVar, cast
 
 import torch
 from transformers import DynamicCache
 
-from tandem import host
 from tandem.errors import (
     BudgetHeld,
     CacheMismatch,
@@ -25,7 +24,6 @@ from tandem.errors import (
     ResourceExhausted,
     SessionEvicted,
 )
-from tandem.lm import CausalLM, Rows
 from tandem.prefix import PrefixCache
 from tandem.split import NO_SPLIT, PassSplit
 
@@ -58,9 +56,53 @@ def tree_segment(token_ids: tuple[int, ...], parents: tuple[int, ...]) -> Segmen
     return Segment(tuple(token_ids), tuple(depth), visible)
 
 
+class SessionState(Protocol):
+    """Soft state a proposer keeps beside a session's cache (the draft's q at each position,
+    Medusa's next tree, Lookahead's window and pool, drafting ahead's guesses). Like the cache it
+    may be lost at any time and is rebuilt as it goes; unlike the cache it knows nothing of
+    the engine, so it is told when the cache is cut."""
+
+    def rollback(self, position: int) -> bool:
+        """The cache was cut back to its first `position` tokens (0: a new cache): drop what
+        lay past them. False: nothing of the state holds any more, and it is dropped."""
+        ...
+
+
+S = TypeVar("S", bound=SessionState)
+
+
+class States:
+    """A session's soft states, at most one of each type, each rolled back with the cache."""
+
+    def __init__(self) -> None:
+        self._held: dict[type[Any], SessionState] = {}
+
+    def get(self, kind: type[S]) -> S | None:
+        return cast("S | None", self._held.get(kind))
+
+    def put(self, state: SessionState) -> None:
+        self._held[type(state)] = state
+
+    def pop(self, kind: type[S]) -> S | None:
+        return cast("S | None", self._held.pop(kind, None))
+
+    def rollback(self, position: int) -> None:
+        for kind, state in list(self._held.items()):
+            if not state.rollback(position):
+                del self._held[kind]
+
+    def clear(self) -> None:
+        self._held.clear()
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+
 @dataclass
 class KVSession:
-    """One session's KV cache on one model."""
+    """One session on one model: a handle on its cache (the engine's), the tokens it holds,
+    its soft states (rolled back with the cache), and what the session table and the scheduler
+    keep of it."""
 
     session_id: str
     vocab_size: int
@@ -68,9 +110,7 @@ class KVSession:
     # sequence (tandem.llama.SeqCache); either has get_seq_length() and crop().
     new_cache: Callable[[], Any] = field(default=DynamicCache, repr=False)
     cache: Any = None  # new_cache() until a pass fills it
-    # A proposer's per-session soft state (Medusa's next candidates, Lookahead's window and
-    # n-gram pool); like the cache, it may be lost at any time and is rebuilt as it goes.
-    proposer_state: dict[str, Any] = field(default_factory=dict)
+    states: States = field(default_factory=States, repr=False)
     # Everything below is the event loop's: the forward worker only runs the passes it is
     # handed (and their caches, while `pending` counts them), and answers through the loop.
     # Budget bookkeeping (SessionTable): tokens this session may hold after its current step,
@@ -94,6 +134,7 @@ class KVSession:
     # None: none. A tail is the first room the budget takes back (SessionTable.reserve).
     tail_from: int | None = None
     tail_extra: int = 0  # tokens of the tail held outside this cache (copies of it, per guess)
+    guesses: Any = None  # the tail's guesses and their copies (draft_service.proposer.Guesses)
     ahead: bool = False  # drafting ahead now: its tail is being written, so it is not trimmed
 
     def __post_init__(self) -> None:
@@ -142,16 +183,16 @@ class KVSession:
             )
 
     def rollback(self, cache_position: int) -> None:
-        """Drop cached tokens past `cache_position`."""
+        """Drop cached tokens past `cache_position`, and what the soft states held of them."""
         self.check_position(cache_position)
         if cache_position == self.length:
-            return  # nothing to drop (a proposer's state included)
+            return  # nothing to drop
         if cache_position == 0:
             self.cache = self.new_cache()
-            self.proposer_state.clear()
-        elif cache_position < self.length:
+        else:
             # transformers 5.x: crop() takes the (negative) number of tokens to remove.
             self.cache.crop(cache_position - self.length)
+        self.states.rollback(cache_position)
 
     def extend(self, cache_position: int, token_ids: list[int] | tuple[int, ...]) -> None:
         """Before a pass appends `token_ids` after `cache_position`: roll back, and record them."""
@@ -171,8 +212,7 @@ class KVSession:
         freed = max(0, self.length - self.tail_from) + self.tail_extra
         if self.length > self.tail_from:
             self.rollback(self.tail_from)
-        self.proposer_state.pop("guesses", None)
-        self.tail_from, self.tail_extra = None, 0
+        self.tail_from, self.tail_extra, self.guesses = None, 0, None
         return freed
 
     def evict(self) -> None:
@@ -180,7 +220,8 @@ class KVSession:
         queued included, so its reservation is released too), and the caller rebuilds the
         cache on a new session."""
         self.cache = self.new_cache()
-        self.proposer_state.clear()
+        self.states.clear()
+        self.guesses = None
         self.evicted = True
 
     def check_tokens(self, field_name: str, token_ids: list[int]) -> None:
@@ -189,60 +230,6 @@ class KVSession:
             raise InvalidRequest(
                 f"{field_name} contains ids outside [0, {self.vocab_size}): {bad[:5]}"
             )
-
-    @torch.inference_mode()
-    def forward(self, model: CausalLM, token_ids: list[int], logits_to_keep: int) -> torch.Tensor:
-        """Append token_ids to the cache; return the last `logits_to_keep` logits [n, vocab] (on the
-        model's device, in its dtype)."""
-        device = model.get_input_embeddings().weight.device
-        ids = torch.tensor([token_ids], dtype=torch.long, device=device)
-        # transformers >= 5.24 names the argument `cache` (past_key_values is deprecated); the
-        # DynamicCache is updated in place.
-        with host.forward(device):
-            out = model(input_ids=ids, cache=self.cache, use_cache=True,
-                        logits_to_keep=last_rows(len(token_ids), logits_to_keep, device))
-        logits: torch.Tensor = out.logits[0, -logits_to_keep:]
-        return logits
-
-    @torch.inference_mode()
-    def forward_best(self, model: CausalLM, head: Any, token_ids: list[int], rows: int) -> torch.Tensor:
-        """`forward`, reading only the argmax id of each of the last `rows` rows [rows] (on the
-        model's device), through the model's decoder and `head` (tandem.head.VocabChunks)."""
-        device = model.get_input_embeddings().weight.device
-        ids = torch.tensor([token_ids], dtype=torch.long, device=device)
-        with host.forward(device):
-            states = model.get_decoder()(input_ids=ids, cache=self.cache, use_cache=True).last_hidden_state
-            best: torch.Tensor = head.argmax(states[0, -rows:])
-        return best
-
-    @torch.inference_mode()
-    def forward_segment(self, model: CausalLM, token_ids: list[int], segment: Segment,
-                        with_hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Append token_ids (history), score `segment` after them in the same pass, forget the segment.
-
-        Returns logits [1 + t, vocab] (on the model's device) after the last history token and after each
-        segment token, and with_hidden the last hidden states [1 + t, hidden] at those
-        positions. The cache ends holding exactly the history: the segment's entries sit at
-        non-sequential positions, so they are cropped and never reused.
-        """
-        device = model.get_input_embeddings().weight.device
-        dtype = model.get_input_embeddings().weight.dtype
-        cached, n, t = self.length, len(token_ids), len(segment.token_ids)
-        where: dict[str, torch.Tensor] = {}  # no segment: the model's own mask (sliding windows too)
-        if t:
-            rows = Rows(cached, n, segment.offsets, segment.visible)
-            allowed = rows.mask(None, device)  # [1, 1, n + t, cached + n + t]
-            assert allowed is not None  # a segment always has one
-            mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
-            where = {"attention_mask": mask, "position_ids": torch.tensor([rows.positions()], device=device)}
-        with host.forward(device):
-            out = model(input_ids=torch.tensor([[*token_ids, *segment.token_ids]], device=device),
-                        cache=self.cache, use_cache=True, output_hidden_states=with_hidden,
-                        logits_to_keep=last_rows(n + t, t + 1, device), **where)
-        self.rollback(cached + n)
-        logits: torch.Tensor = out.logits[0]
-        hidden = out.hidden_states[-1][0, n - 1:] if with_hidden else None
-        return logits, hidden
 
 
 def fork_cache(cache: Any, length: int) -> Any:
@@ -268,14 +255,6 @@ def copy_cache(cache: DynamicCache) -> DynamicCache:
         if getattr(layer, "keys", None) is not None:
             layer.keys, layer.values = layer.keys.clone(), layer.values.clone()
     return held
-
-
-def last_rows(n: int, keep: int, device: torch.device) -> torch.Tensor:
-    """`logits_to_keep` for the last `keep` of n rows, as indices: the model then gathers them
-    into a fresh tensor. An int makes it slice a strided view, which torch (2.13, CPU, bf16)
-    projects onto the vocabulary by first copying the whole head weight: 1 s a pass for
-    Qwen2.5-1.5B, whatever n."""
-    return torch.arange(n - keep, n, device=device)
 
 
 class SessionTable:

@@ -46,7 +46,7 @@ class TargetProposer(Protocol):
     max_segment_tokens: int
 
     def get_candidates(self, session: KVSession, new_token_ids: list[int]) -> Candidates:
-        """The segment to score after `new_token_ids`, from the session's proposer_state."""
+        """The segment to score after `new_token_ids`, from the session's soft state (`session.states`)."""
 
     def update_candidate_strategy(self, session: KVSession, candidates: Candidates,
                                   logits: torch.Tensor, hidden: torch.Tensor | None,

@@ -34,8 +34,6 @@ from tandem import sampling
 from tandem.kv import KVSession, Segment, tree_segment
 from target_service.candidates import Candidates
 
-STATE_KEY = "lookahead"
-
 
 @dataclass(frozen=True)
 class LookaheadConfig:
@@ -87,6 +85,11 @@ class LookaheadState:
     pool: NgramPool
     steps: int = 0  # passes since the window was seeded
     last_token: int = -1  # the last history token of the step in flight (level 0, column 0)
+
+    def rollback(self, position: int) -> bool:
+        # The window and the pool are guesses that hold after any history; a new cache (a new
+        # or rebuilt session) seeds a new window from its history.
+        return position > 0
 
 
 def seed_window(history: list[int], config: LookaheadConfig) -> list[list[int]]:
@@ -163,13 +166,13 @@ class LookaheadProposer:
         self.max_segment_tokens = self._window_tokens + config.candidates * (config.ngram - 1)
 
     def state(self, session: KVSession, new_token_ids: list[int]) -> LookaheadState:
-        state = session.proposer_state.get(STATE_KEY)
-        if not isinstance(state, LookaheadState):
+        state = session.states.get(LookaheadState)
+        if state is None:
             # No state: the session is new or its cache was rebuilt (or started from a kept
             # prefix), so what it holds and new_token_ids are the history.
             state = LookaheadState(seed_window([*session.held_tokens, *new_token_ids], self.config),
                                    NgramPool(self.config.candidates))
-            session.proposer_state[STATE_KEY] = state
+            session.states.put(state)
         return state
 
     def get_candidates(self, session: KVSession, new_token_ids: list[int]) -> Candidates:
@@ -184,7 +187,8 @@ class LookaheadProposer:
                                   logits: torch.Tensor, hidden: torch.Tensor | None,
                                   verdict: sampling.TreeVerdict) -> None:
         """Harvest the window's n-grams and advance it one Jacobi level. logits [1 + t, vocab]."""
-        state = session.proposer_state[STATE_KEY]
+        state = session.states.get(LookaheadState)
+        assert state is not None, "get_candidates made it"
         levels = state.levels
         newest = logits[self._top_rows].argmax(-1).tolist()  # [W]
         # Level 0 of a freshly seeded window is history noise: harvest once every level the

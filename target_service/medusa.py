@@ -237,15 +237,15 @@ def parse_choices(text: str) -> MedusaTree:
 
 # --- The proposer --------------------------------------------------------------------------
 
-STATE_KEY = "medusa"
-
-
 @dataclass(frozen=True)
 class _NextTree:
     """What a step leaves for the next one: the history length it assumes and the heads' top-k."""
 
     history_length: int
     top: tuple[tuple[int, ...], ...]  # [depth][width]
+
+    def rollback(self, position: int) -> bool:
+        return False  # a cut history is no longer the one the heads read
 
 
 class MedusaProposer:
@@ -264,8 +264,8 @@ class MedusaProposer:
         self.max_segment_tokens = len(tree.paths)
 
     def get_candidates(self, session: KVSession, new_token_ids: list[int]) -> Candidates:
-        state = session.proposer_state.get(STATE_KEY)
-        if not isinstance(state, _NextTree) or state.history_length != session.length + len(new_token_ids):
+        state = session.states.get(_NextTree)
+        if state is None or state.history_length != session.length + len(new_token_ids):
             # First step, a rebuilt cache, or a history other than the one the heads saw
             # (the orchestrator cut the step short): a plain step, which refills the state.
             return NO_CANDIDATES
@@ -281,7 +281,7 @@ class MedusaProposer:
         row = 1 + candidates.tree_nodes[path[-1]] if path else 0
         top = self.heads.top_k(hidden[row], self.tree.widths)
         # The next step appends the path and the recovered or bonus token to this history.
-        session.proposer_state[STATE_KEY] = _NextTree(session.length + len(path) + 1, top)
+        session.states.put(_NextTree(session.length + len(path) + 1, top))
 
 
 def build_medusa(heads_ref: str, choices: str, model: CausalLM) -> MedusaProposer:

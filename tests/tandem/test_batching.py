@@ -441,7 +441,7 @@ def test_a_tree_pass_alone_gets_its_mask_from_its_numbers_not_a_dense_host_mask(
 
     scheduler = StepScheduler(max_sessions=8, max_tokens=64)
     start(scheduler, model)  # its probe compares batched trees with `forward_segment`'s
-    monkeypatch.setattr(KVSession, "forward_segment", dense)
+    monkeypatch.setattr(batching, "forward_segment", dense)
     session = KVSession("s", VOCAB)
     out = asyncio.run(scheduler(Pass(session, 0, (3, 4), 1, segment, with_hidden=True)))
     assert torch.allclose(out.logits, alone.logits, atol=TOLERANCE)

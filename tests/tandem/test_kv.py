@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 from tiny import last_logits
 from transformers import AutoModelForCausalLM
 
+from tandem import batching
 from tandem.kv import KVSession, tree_segment
 
 
@@ -23,10 +25,10 @@ def test_tree_segment_scores_each_branch_as_if_alone(tiny_target: Path, attn: st
     model = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32,
                                                  attn_implementation=attn).eval()
     session = KVSession("s", vocab_size=40)
-    session.forward(model, [3, 4, 5, 6], logits_to_keep=1)
+    batching.forward(session, model, [3, 4, 5, 6], logits_to_keep=1)
     # Tree after history [3..6] + new [7, 8]: root children 9 and 10; 11 under 9; 12 under 11.
     tree = tree_segment((9, 10, 11, 12), (-1, -1, 0, 2))
-    logits, hidden = session.forward_segment(model, [7, 8], tree, with_hidden=True)
+    logits, hidden = batching.forward_segment(session, model, [7, 8], tree, with_hidden=True)
     history = [3, 4, 5, 6, 7, 8]
     branches = [history, history + [9], history + [10], history + [9, 11], history + [9, 11, 12]]
     for row, ids in enumerate(branches):
@@ -34,7 +36,7 @@ def test_tree_segment_scores_each_branch_as_if_alone(tiny_target: Path, attn: st
     assert hidden is not None and hidden.shape[0] == 5
     # The segment leaves no trace: the cache holds the history, and continues it exactly.
     assert session.length == len(history)
-    next_logits = session.forward(model, [13], logits_to_keep=1)[0]
+    next_logits = batching.forward(session, model, [13], logits_to_keep=1)[0]
     torch.testing.assert_close(next_logits, last_logits(model, history + [13]), atol=1e-4, rtol=1e-4)
 
 
@@ -47,7 +49,7 @@ def test_a_segment_after_a_long_history_projects_only_the_rows_it_returns(model)
         lambda _module, args, _out: rows.append(args[0].shape[1]))
     try:
         session = KVSession("s", vocab_size=40)
-        logits, _ = session.forward_segment(model, list(range(3, 35)), tree_segment((5, 6), (-1, 0)))
+        logits, _ = batching.forward_segment(session, model, list(range(3, 35)), tree_segment((5, 6), (-1, 0)))
     finally:
         hook.remove()
     assert logits.shape[0] == 3
@@ -65,9 +67,9 @@ def test_the_head_projects_a_contiguous_block_of_rows(model) -> None:  # type: i
         lambda _module, args, _out: seen.append(args[0].stride() == torch.empty(args[0].shape).stride()))
     try:
         session = KVSession("s", vocab_size=40)
-        session.forward(model, list(range(3, 20)), logits_to_keep=1)
-        session.forward(model, list(range(3, 9)), logits_to_keep=2)
-        session.forward_segment(model, [9, 10, 11], tree_segment((5, 6), (-1, 0)))
+        batching.forward(session, model, list(range(3, 20)), logits_to_keep=1)
+        batching.forward(session, model, list(range(3, 9)), logits_to_keep=2)
+        batching.forward_segment(session, model, [9, 10, 11], tree_segment((5, 6), (-1, 0)))
     finally:
         hook.remove()
     assert seen == [True, True, True]
@@ -77,17 +79,49 @@ def test_rollback_beyond_the_cache_is_refused(model) -> None:  # type: ignore[no
     from tandem.errors import CacheMismatch
 
     session = KVSession("s", vocab_size=40)
-    session.forward(model, [3, 4], logits_to_keep=1)
+    batching.forward(session, model, [3, 4], logits_to_keep=1)
     with pytest.raises(CacheMismatch, match="beyond the session's cache length 2"):
         session.rollback(3)
 
 
-def test_rollback_to_zero_forgets_proposer_state(model) -> None:  # type: ignore[no-untyped-def]
+@dataclass
+class Marks:
+    """A soft state that holds a mark at some positions (as the draft's q at each position)."""
+
+    at: set[int]
+    told: list[int] = field(default_factory=list)
+
+    def rollback(self, position: int) -> bool:
+        self.told.append(position)
+        self.at = {p for p in self.at if p <= position}
+        return bool(self.at)
+
+
+@dataclass
+class Whole:
+    """A soft state that no cut leaves standing (as Medusa's next tree)."""
+
+    def rollback(self, position: int) -> bool:
+        return False
+
+
+def test_soft_states_roll_back_with_the_cache(model) -> None:  # type: ignore[no-untyped-def]
     session = KVSession("s", vocab_size=40)
-    session.forward(model, [3, 4], logits_to_keep=1)
-    session.proposer_state["x"] = 1
-    session.rollback(0)
-    assert session.length == 0 and not session.proposer_state
+    batching.forward(session, model, [3, 4, 5, 6, 7], logits_to_keep=1)
+    marks = Marks({1, 3, 5})
+    session.states.put(marks)
+    session.states.put(Whole())
+    session.rollback(5)  # no cut: nobody is told
+    assert marks.told == [] and session.states.get(Whole) is not None
+    session.rollback(3)
+    assert marks.told == [3] and marks.at == {1, 3} and session.states.get(Whole) is None
+    assert session.states.get(Marks) is marks
+    session.rollback(0)  # a new cache: what holds no mark goes
+    assert session.length == 0 and marks.told == [3, 0] and session.states.get(Marks) is None
+    batching.forward(session, model, [3, 4], logits_to_keep=1)
+    session.states.put(Marks({1}))
+    session.evict()
+    assert len(session.states) == 0
 
 
 # --- The KV budget: least-recently-used eviction --------------------------------------------
@@ -100,7 +134,7 @@ def _table_with(model, budget: int, *lengths: int):  # type: ignore[no-untyped-d
     for i, n in enumerate(lengths):
         _, session = table.open(f"s{i}", vocab_size=40)
         table.reserve(session, n)
-        session.forward(model, list(range(3, 3 + n)), logits_to_keep=1)
+        batching.forward(session, model, list(range(3, 3 + n)), logits_to_keep=1)
         table.settle(session)
         sessions.append(session)
     return table, sessions
@@ -118,14 +152,14 @@ def test_budget_evicts_idle_sessions_least_recently_used_first(model) -> None:  
 def test_tails_drafted_ahead_go_before_any_session(model) -> None:  # type: ignore[no-untyped-def]
     table, (a, b) = _table_with(model, 40, 10, 12)
     b.tail_from = 8  # b's last 4 tokens were drafted ahead: nobody has asked for them yet
-    b.tail_extra, b.proposer_state["guesses"] = 9, "copies of b's cache, one per guess"
+    b.tail_extra, b.guesses = 9, "copies of b's cache, one per guess"
     b.reserved = b.length + b.tail_extra
     assert table.tail_tokens == 4 + 9
     _, c = table.open("c", vocab_size=40)
     table.reserve(c, 20)  # 51 > 40: b's tail goes (13 tokens), not a (least recently used)
     assert not a.evicted and not b.evicted
     assert b.length == 8 and b.tail_from is None and table.tail_tokens == 0
-    assert "guesses" not in b.proposer_state and b.reserved == 8
+    assert b.guesses is None and b.reserved == 8
 
 
 def test_drafting_ahead_claims_only_free_room(model) -> None:  # type: ignore[no-untyped-def]

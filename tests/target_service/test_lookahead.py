@@ -9,12 +9,11 @@ import torch
 from tiny import last_logits, verify_directly
 from transformers import AutoModelForCausalLM
 
-from tandem import sampling
+from tandem import batching, sampling
 from tandem.kv import KVSession, tree_segment
 from tandem.lm import Capabilities
 from tandem.model_service import ModelServiceConfig, Step
 from target_service.lookahead import (
-    STATE_KEY,
     LookaheadConfig,
     LookaheadProposer,
     LookaheadState,
@@ -74,7 +73,7 @@ def test_candidates_put_the_tree_after_the_window_unseen_by_it() -> None:
     pool = NgramPool(2)
     pool.add(9, (5, 6))
     pool.add(9, (5, 7))
-    session.proposer_state[STATE_KEY] = LookaheadState([[11], [20, 21]], pool)
+    session.states.put(LookaheadState([[11], [20, 21]], pool))
     candidates = proposer.get_candidates(session, [3, 9])
     segment = candidates.segment
     # Window a1 | b0 b1, then the trie of 9's continuations, most recent first: 5 -> (7, 6).
@@ -94,9 +93,9 @@ def test_window_rows_continue_their_columns(tiny_target: Path, attn: str) -> Non
                                                  attn_implementation=attn).eval()
     session = KVSession("s", vocab_size=VOCAB)
     history = [3, 4, 5, 6, 7]
-    session.forward(model, history[:3], logits_to_keep=1)
+    batching.forward(session, model, history[:3], logits_to_keep=1)
     levels = [[11, 12], [20, 21, 22], [30, 31, 32]]  # W=3, N=4
-    logits, _ = session.forward_segment(model, history[3:], window_segment(levels))
+    logits, _ = batching.forward_segment(session, model, history[3:], window_segment(levels))
     columns = {(0, 1): [11], (0, 2): [11, 12], (1, 0): [20], (1, 1): [11, 21], (1, 2): [11, 12, 22],
                (2, 0): [20, 30], (2, 1): [11, 21, 31], (2, 2): [11, 12, 22, 32]}
     # Segment order is level by level, column by column: sorted (level, column).
@@ -111,8 +110,8 @@ def test_window_does_not_change_the_verification_rows(model) -> None:  # type: i
     rows = {}
     for name, segment in (("tree", tree), ("both", concat(window, tree))):
         session = KVSession(name, vocab_size=VOCAB)
-        session.forward(model, [3, 4, 5, 6], logits_to_keep=1)
-        logits, _ = session.forward_segment(model, [7, 8], segment)
+        batching.forward(session, model, [3, 4, 5, 6], logits_to_keep=1)
+        logits, _ = batching.forward_segment(session, model, [7, 8], segment)
         rows[name] = torch.cat([logits[:1], logits[-4:]])
         assert session.length == 6
     torch.testing.assert_close(rows["both"], rows["tree"], atol=1e-5, rtol=1e-5)
@@ -139,12 +138,12 @@ def test_update_harvests_columns_and_advances_one_level() -> None:
     proposer = LookaheadProposer(LookaheadConfig(window=3, ngram=4, candidates=4))
     session = KVSession("s", vocab_size=VOCAB)
     levels = [[11, 12], [20, 21, 22], [30, 31, 32]]
-    session.proposer_state[STATE_KEY] = LookaheadState([lv[:] for lv in levels], NgramPool(4), steps=2)
+    session.states.put(LookaheadState([lv[:] for lv in levels], NgramPool(4), steps=2))
     candidates = proposer.get_candidates(session, [9])
     # Rows: 0 (history), 1..2 level 0, 3..5 level 1, 6..8 level 2 (the newest): argmaxes 1, 2, 3.
     logits = one_hot_rows([0, 0, 0, 0, 0, 0, 1, 2, 3])
     proposer.update_candidate_strategy(session, candidates, logits, None, sampling.TreeVerdict((), 4))
-    state = session.proposer_state[STATE_KEY]
+    state = session.states.get(LookaheadState)
     # Column i read upwards plus its argmax; column 0 starts at the last history token.
     assert state.pool.by_first == {9: [(20, 30, 1)], 11: [(21, 31, 2)], 12: [(22, 32, 3)]}
     # The oldest level goes; level 1 loses column 0 (the next last history token takes it).
@@ -160,7 +159,7 @@ def test_a_fresh_window_is_not_harvested() -> None:
         rows = len(candidates.segment.token_ids) + 1
         proposer.update_candidate_strategy(session, candidates, one_hot_rows([step + 1] * rows),
                                            None, sampling.TreeVerdict((), 8))
-        state = session.proposer_state[STATE_KEY]
+        state = session.states.get(LookaheadState)
         # Levels 1..N-2 all come out of passes after N-2 = 2 of them.
         assert bool(state.pool.by_first) == (step >= 2)
 
@@ -172,12 +171,12 @@ def test_state_is_seeded_from_history_and_reset_on_rebuild(model) -> None:  # ty
     session = KVSession("s", vocab_size=VOCAB)
     history = [3, 4, 5, 6, 7, 8]
     verify_directly(model, session, Step(0, history), proposer, GREEDY, seed=1)
-    state = session.proposer_state[STATE_KEY]
+    state = session.states.get(LookaheadState)
     assert state.steps == 1
     # A rebuilt cache (cache_position 0) drops the state; the new window is seeded again,
     # from the history alone (the same history gives the same window).
     session.rollback(0)
-    assert STATE_KEY not in session.proposer_state
+    assert session.states.get(LookaheadState) is None
     fresh = [KVSession(name, VOCAB) for name in "ab"]
     windows = [proposer.state(s, history).levels for s in fresh]
     assert windows[0] == windows[1]

@@ -17,7 +17,7 @@ from tiny import (
 )
 from transformers import AutoModelForCausalLM
 
-from tandem import sampling
+from tandem import batching, sampling
 from tandem.kv import KVSession
 from tandem.model_service import Step
 from tandem.models import ModelError
@@ -166,7 +166,7 @@ def test_proposer_state_follows_the_history(model) -> None:  # type: ignore[no-u
     proposer = MedusaProposer(MedusaHeads.for_model(model, 3), parse_choices(""))
     session = KVSession("s", vocab_size=model.config.vocab_size)
     assert proposer.get_candidates(session, [3, 4, 5]) == NO_CANDIDATES  # nothing learnt yet
-    logits, hidden = session.forward_segment(model, [3, 4, 5], NO_CANDIDATES.segment, True)
+    logits, hidden = batching.forward_segment(session, model, [3, 4, 5], NO_CANDIDATES.segment, True)
     proposer.update_candidate_strategy(session, NO_CANDIDATES, logits, hidden,
                                        sampling.TreeVerdict((), 7))
     candidates = proposer.get_candidates(session, [7])  # the step that commits 7 after 3 4 5
