@@ -24,7 +24,7 @@ from tandem.errors import (
     ResourceExhausted,
     SessionEvicted,
 )
-from tandem.prefix import PrefixCache
+from tandem.prefix import BLOCK_TOKENS, PrefixCache
 from tandem.split import NO_SPLIT, PassSplit
 
 
@@ -401,11 +401,19 @@ class SessionTable:
 
     def start_from_prefix(self, session: KVSession, token_ids: list[int]) -> int:
         """Before a fresh session's first pass over `token_ids` (its whole history): give it a
-        copy of the longest kept prefix of them, all but the last token at most (whose logits
-        the step reads); how many tokens that gave it (0: none, and nothing changed)."""
+        copy of the longest prefix of them that is kept or that a live session holds, all but
+        the last token at most (whose logits the step reads); how many tokens that gave it (0:
+        none, and nothing changed)."""
         if self.prefix is None or session.length or session.evicted or session.token_ids:
             return 0
-        found = self.prefix.lookup(token_ids, len(token_ids) - 1)
+        block = list(token_ids[:BLOCK_TOKENS])
+        # Live sessions between passes, as they stand: a copy made now holds what they hold now
+        # (a transformers cache is shared as an entry's is; a llama.cpp copy is queued before
+        # any later pass of theirs; a tensor-parallel copy goes with the next call).
+        live = [(s.held_tokens, s.cache) for s in self._sessions.values()
+                if s is not session and not (s.evicted or s.closed or s.pending)
+                and s.length >= BLOCK_TOKENS and s.token_ids[:BLOCK_TOKENS] == block]
+        found = self.prefix.lookup(token_ids, len(token_ids) - 1, live)
         if found is None:
             return 0
         session.cache, length = found

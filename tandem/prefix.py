@@ -1,10 +1,13 @@
-"""The prefix cache: the KV of finished sessions, kept for the next session that starts the same way.
+"""The prefix cache: the KV of finished sessions, kept for the next session that starts the same way
+(and the KV of live sessions, copied for one that starts as they did).
 
 A conversation's next turn, an agent's next call and every request under one system prompt
 repeat the tokens of a request before them. When a session's stream ends, its cache (the KV of
 the tokens it holds: a pure function of those tokens, whichever passes computed it) becomes an
 entry here. A new session whose first step's history starts with an entry's tokens starts from a
-copy of that entry cut to the common prefix, and its first pass computes only the rest.
+copy of that entry cut to the common prefix, and its first pass computes only the rest. A live
+session between passes that holds a longer common prefix is copied instead (requests under one
+system prompt that overlap in time, an agent's calls in parallel).
 
 Entries are found by their first block of `BLOCK_TOKENS` tokens, then compared token by token
 (the longest common prefix wins, the most recently used on a tie), so a hit is exact, never a
@@ -22,7 +25,7 @@ place), so a hit costs no copy; a llama.cpp cache copies the sequence's cells by
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,9 +93,13 @@ class PrefixCache:
     def entries(self) -> list[Entry]:
         return [e for bucket in self._by_block.values() for e in bucket]
 
-    def lookup(self, token_ids: Sequence[int], most: int) -> tuple[Any, int] | None:
+    def lookup(self, token_ids: Sequence[int], most: int,
+               live: Iterable[tuple[Sequence[int], Any]] = ()) -> tuple[Any, int] | None:
         """A new cache holding the longest cached prefix of `token_ids`, up to `most` tokens, and
-        its length; None when none of at least BLOCK_TOKENS tokens is cached."""
+        its length; None when none of at least BLOCK_TOKENS tokens is cached.
+
+        `live`: live sessions' (tokens, cache) pairs, whose first block is the history's; one
+        that holds a longer prefix than any entry is copied instead (as `keep` then `fork`)."""
         if most < BLOCK_TOKENS:
             return None
         self.stats = _add(self.stats, lookups=1)
@@ -103,11 +110,17 @@ class PrefixCache:
             if length > best_length or (length == best_length and best is not None
                                         and entry.last_used > best.last_used):
                 best, best_length = entry, length
-        if best is None:
+        source = None if best is None else best.cache
+        if best is not None:
+            best.last_used = next(self._clock)
+        for tokens, cache in live:
+            length = min(common_prefix(tokens, token_ids), most)
+            if length > max(best_length, BLOCK_TOKENS - 1):
+                source, best_length = self.keep(cache), length
+        if source is None:
             return None
-        best.last_used = next(self._clock)
         self.stats = _add(self.stats, hits=1, reused_tokens=best_length)
-        return self.fork(best.cache, best_length), best_length
+        return self.fork(source, best_length), best_length
 
     def insert(self, token_ids: Sequence[int], cache: Any) -> None:
         """Keep `cache`, which holds the KV of `token_ids`; entries it extends are dropped."""

@@ -114,6 +114,34 @@ def test_a_session_from_a_kept_prefix_computes_what_a_cold_one_does(model: Any) 
         assert torch.equal(layer.keys, before)
 
 
+def test_a_session_starts_from_what_a_live_session_holds(model: Any) -> None:
+    """A live session between passes that holds a longer prefix than any kept entry is copied;
+    both then compute what cold sessions do. One with a pass pending is not."""
+    table = SessionTable(8, prefix=PrefixCache(1000, 8, fork_cache))
+    history = [(5 * i) % 31 + 2 for i in range(30)]
+    handle, kept = table.open("kept", 40)
+    batching.single(model, batching.Pass(kept, 0, tuple(history[:17])))
+    table.close(handle)
+    _, live = table.open("live", 40)
+    batching.single(model, batching.Pass(live, 0, tuple(history[:24])))
+
+    live.pending = 1  # a pass of it queued: its cache may be changing
+    _, early = table.open("early", 40)
+    assert table.start_from_prefix(early, history) == 17  # the entry's
+    live.pending = 0
+    _, second = table.open("second", 40)
+    assert table.start_from_prefix(second, history) == 24 and second.held_tokens == history[:24]
+    out = batching.single(model, batching.Pass(second, 24, tuple(history[24:]), logits_to_keep=1))
+    assert out.logits is not None
+    torch.testing.assert_close(out.logits[0], last_logits(model, history), atol=1e-5, rtol=1e-5)
+    # The live session goes on elsewhere, as if nothing had been copied.
+    other = [*history[:24], 9, 8, 7]
+    out = batching.single(model, batching.Pass(live, 24, tuple(other[24:]), logits_to_keep=1))
+    assert out.logits is not None
+    torch.testing.assert_close(out.logits[0], last_logits(model, other), atol=1e-5, rtol=1e-5)
+    assert table.prefix is not None and table.prefix.stats.hits == 2
+
+
 def test_kept_prefixes_give_way_before_idle_sessions() -> None:
     table = SessionTable(8, kv_budget_tokens=100, prefix=PrefixCache(100, 8, lambda cache, n: cache))
     _, idle = table.open("idle", 40)

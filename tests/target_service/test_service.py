@@ -3,11 +3,15 @@ statuses, the stream stays usable."""
 
 from __future__ import annotations
 
+import queue
+from pathlib import Path
+
 import grpc
 import pytest
+from tiny import greedy_reference
 
 from tandem.launch import Stack
-from tandem.v1 import common_pb2, target_pb2, target_pb2_grpc
+from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from target_service.scorer import RUN_STRETCH
 
 PLAIN = target_pb2.DraftProposal()  # a plain target step: nothing proposed
@@ -191,3 +195,32 @@ def test_a_run_ends_after_its_first_stop_token(tiny_stack: Stack) -> None:
         after = list(stub.ScoreBlocks(iter([run([5, 6, 7], 2), run([free[1]], 1, cache_position=4)]), timeout=30))
     assert stopped == free[:free.index(stop) + 1]
     assert [a.block_scores.bonus_token_id for a in after] == free[:3]
+
+
+def test_a_session_starts_from_what_a_live_session_holds(tiny_stack: Stack, tiny_target: Path,
+                                                       tiny_draft: Path) -> None:
+    """While one stream's session is open between steps, another whose history starts with it
+    is copied from it, on both tiers (nothing is kept yet: the first is still live), and
+    computes what a cold session computes."""
+    history = [2 + (11 * i) % 31 for i in range(24)]  # a history no other test sends
+    longer = [*history, 9, 8, 7]
+    steps = {"target": lambda ids: target_pb2.ScoreBlocksRequest(new_token_ids=ids, draft_proposal=PLAIN),
+             "draft": lambda ids: draft_pb2.ProposeBlocksRequest(new_token_ids=ids, num_speculative_tokens=2,
+                                                                 max_support_size=4)}
+    with grpc.insecure_channel(tiny_stack.targets[0].address) as target, \
+            grpc.insecure_channel(tiny_stack.drafts[0].address) as draft:
+        calls = {"target": target_pb2_grpc.TargetServiceStub(target).ScoreBlocks,
+                 "draft": draft_pb2_grpc.DraftServiceStub(draft).ProposeBlocks}
+        copied = {}
+        for tier, call in calls.items():
+            opened: queue.Queue[object] = queue.Queue()
+            live = call(iter(opened.get, None), timeout=30)
+            opened.put(steps[tier](history))
+            next(live)  # its session holds the history now, and stays open
+            [copied[tier]] = one_step(call, steps[tier](longer))
+            opened.put(None)
+            assert list(live) == []
+    assert copied["target"].cached_token_count == len(history)
+    assert copied["target"].block_scores.bonus_token_id == greedy_reference(tiny_target, longer, 1)[0]
+    assert copied["draft"].cached_token_count >= len(history)  # and the token it drafted, if 9
+    assert list(copied["draft"].token_ids) == greedy_reference(tiny_draft, longer, 2)
