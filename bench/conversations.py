@@ -12,6 +12,13 @@ fresh stack and reports the time to first token of first turns and of later turn
 tokens per second over the whole run, and the share of later turns' prompt tokens the target
 and the draft took from their prefix caches (the usage's cached tokens), per replica pool.
 Greedy requests: a later turn's reply must be the same in both modes (checked, and reported).
+
+With `--duration` it is a soak instead: one stack, the prefix cache on, conversations going
+round (each round's histories new after the system prompts, so entries keep coming and going)
+for that long, every process sampled as `tandem bench-load --duration` samples it (bench/soak.py:
+memory, descriptors, threads, streams, the tokens each prefix cache holds) and the slopes per
+hour reported. It fails on growth past the soak's slack, on a prefix cache past
+`--prefix-cache-tokens`, or on a failed turn.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import json
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -30,6 +38,7 @@ from typing import Any
 
 import grpc
 
+from bench import soak
 from bench.prompts import CODE, PROSE
 from bench.tiny import make_pair
 from tandem import models
@@ -54,11 +63,16 @@ class Conversation:
     messages: tuple[str, ...]  # the user's messages (an agent's: tool outputs), one per turn
 
 
-def conversations(count: int, turns: int, chars: int = 0) -> list[Conversation]:
+def conversations(count: int, turns: int, chars: int = 0, round_: int = 0) -> list[Conversation]:
     """Chats over two shared system prompts, and every third an agent loop over a file; with
-    `chars`, each text cut to that many characters (a tiny model's short context)."""
+    `chars`, each text cut to that many characters (a tiny model's short context); a `round_`
+    past 0 opens each first message with its number (new histories under the same prompts)."""
     def cut(text: str) -> str:
         return text[:chars] if chars else text
+
+    if round_:
+        return [Conversation(c.system, (cut(f"({round_}) {c.messages[0]}"), *c.messages[1:]))
+                for c in conversations(count, turns, chars)]
 
     out = []
     for c in range(count):
@@ -103,14 +117,16 @@ class TurnResult:
 
 
 async def run_conversations(address: str, tokenizer: Any, convs: Sequence[Conversation], clients: int,
-                            max_new_tokens: int) -> tuple[list[TurnResult], float]:
+                            max_new_tokens: int, stop: threading.Event | None = None
+                            ) -> tuple[list[TurnResult], float]:
+    """Every conversation, `clients` at a time; with `stop`, no conversation starts once set."""
     queue = list(enumerate(convs))
     results: list[TurnResult] = []
 
     async def client() -> None:
         async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
             stub = orchestrator_pb2_grpc.OrchestratorServiceStub(channel)
-            while queue:
+            while queue and not (stop is not None and stop.is_set()):
                 index, conv = queue.pop(0)
                 history: list[tuple[str, str]] = []
                 for t, message in enumerate(conv.messages):
@@ -161,6 +177,43 @@ def summarize(mode: str, clients: int, results: list[TurnResult], wall_s: float)
                       sum(covering) / len(covering) if covering else 0.0, results)
 
 
+def soak_conversations(stack: Stack, tokenizer: Any, args: argparse.Namespace, chars: int,
+                       samples: list[soak.Sample]) -> tuple[int, list[str]]:
+    """Conversations round and round for args.duration, sampled every args.sample_every;
+    the turns served and what failed."""
+    stop, turns, failures = threading.Event(), [0], []
+    clients = int(args.clients.split(",")[0])
+
+    def load() -> None:
+        round_ = 0
+        while not stop.is_set():
+            round_ += 1
+            convs = conversations(args.count, args.turns, chars, round_)
+            try:
+                results, _ = asyncio.run(run_conversations(stack.address, tokenizer, convs, clients,
+                                                           args.max_new_tokens, stop))
+            except Exception as exc:  # noqa: BLE001 - reported, and the soak fails
+                failures.append(f"round {round_}: {exc!r}")
+                return
+            turns[0] += len(results)
+
+    loader = threading.Thread(target=load, name="conversations", daemon=True)
+    started = time.monotonic()
+    loader.start()
+    while time.monotonic() - started < args.duration and loader.is_alive():
+        time.sleep(max(0.0, started + (len(samples) + 1) * args.sample_every - time.monotonic()))
+        samples.append(soak.sample(stack, started, turns[0]))
+    stop.set()
+    loader.join()
+    budget = args.prefix_cache_tokens
+    for s in samples:
+        for name, figures in s.figures.items():
+            if budget and figures["prefix_tokens"] > budget:
+                failures.append(f"{name}: its prefix cache held {figures['prefix_tokens']:.0f} tokens, "
+                                f"past --prefix-cache-tokens {budget}")
+    return turns[0], failures
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="tandem bench-load --conversations", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -178,6 +231,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--draft-args", default="", help="extra draft-service flags")
     parser.add_argument("--target-args", default="", help="extra target-service flags")
     parser.add_argument("--json", default="", help="write the report here")
+    parser.add_argument("--duration", type=soak.seconds, default=0.0,
+                        help="soak this long instead (90s, 30m, 1h): the cache on, the first --clients")
+    parser.add_argument("--sample-every", type=soak.seconds, default=60.0, help="the soak's sampling interval")
+    parser.add_argument("--prefix-cache-tokens", type=int, default=0,
+                        help="both replicas' --prefix-cache-tokens (0: their default)")
     args = parser.parse_args(argv)
 
     tmp = tempfile.TemporaryDirectory()
@@ -187,12 +245,37 @@ def main(argv: Sequence[str] | None = None) -> None:
         draft, target = draft or str(pair[0]), str(pair[1])
     tokenizer = models.load_tokenizer(target)
     drafts, targets = (int(n) for n in args.replicas.split(","))
-    convs = conversations(args.count, args.turns, 0 if args.target else 90)
+    chars = 0 if args.target else 90
+    convs = conversations(args.count, args.turns, chars)
+    sized = ["--prefix-cache-tokens", str(args.prefix_cache_tokens)] if args.prefix_cache_tokens else []
+    if args.duration:
+        metrics = ["--metrics-port", "0"]
+        soaked = start_stack(None if draft == "none" else draft, target, num_drafts=drafts, num_targets=targets,
+                            threads=args.threads, draft_dtype="auto", target_dtype="auto",
+                            draft_args=[*metrics, *sized, *args.draft_args.split()],
+                            target_args=[*metrics, *sized, *args.target_args.split()], orchestrator_args=metrics)
+        samples: list[soak.Sample] = []
+        try:
+            served, failures = soak_conversations(soaked, tokenizer, args, chars, samples)
+        finally:
+            soaked.stop()
+        print(soak.table(samples))
+        problems = failures + soak.growth(samples)
+        print(f"{served} turns in {args.duration / 60:.1f} min")
+        for problem in problems[:20]:
+            print(f"FAIL {problem}", file=sys.stderr)
+        path = Path(args.json or f"bench/results/conversation-soak-{time.strftime('%Y%m%d-%H%M%S')}.json")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"argv": sys.argv, "turns": served, "samples": [asdict(s) for s in samples],
+                                    "trends": soak.trends(samples), "problems": problems}, indent=1, default=str))
+        print(f"wrote {path}")
+        tmp.cleanup()
+        sys.exit(1 if problems else 0)
     reports: list[ModeReport] = []
     replies: dict[str, dict[tuple[int, int], str]] = {}
     for mode in args.modes.split(","):
         for clients in (int(c) for c in args.clients.split(",")):
-            flags = ["--prefix-cache", mode]
+            flags = ["--prefix-cache", mode, *sized]
             stack: Stack = start_stack(None if draft == "none" else draft, target, num_drafts=drafts,
                                        num_targets=targets, threads=args.threads, draft_dtype="auto",
                                        target_dtype="auto", draft_args=[*flags, *args.draft_args.split()],

@@ -2,8 +2,9 @@
 
 The bench-load workload runs round and round against one stack (tiny random models unless
 --draft/--target name others) for --duration. Every --sample-every it samples each process
-(orchestrator, draft, target): resident memory, open file descriptors, threads, and the open
-streams it serves (the replicas' session streams, the orchestrator's running requests). After
+(orchestrator, draft, target): resident memory, open file descriptors, threads, the open
+streams it serves (the replicas' session streams, the orchestrator's running requests), and
+the tokens a replica's prefix cache holds. After
 the run: each figure's slope per hour, fitted by least squares over the samples after the
 warm-up (the first fifth of the run), beside its first and last value. The same checks as
 bench-load follow (no errors, exactness against requests run alone, nothing left open).
@@ -28,7 +29,7 @@ from bench.load import Outcome, Report, replicas, run_load, workload
 from bench.tiny import make_pair
 from tandem.launch import Stack, start_stack
 
-FIGURES = ("rss_mib", "fds", "threads", "streams")
+FIGURES = ("rss_mib", "fds", "threads", "streams", "prefix_tokens")
 WARM_UP_SHARE = 0.2  # the first fifth of the samples is warm-up: allocators and caches growing
 # Counted growth that is a leak over a few hundred requests: descriptors and threads come back
 # to where they were (these allow a channel's or a pool's worth of slack); memory settles.
@@ -49,7 +50,8 @@ def sample(stack: Stack, started: float, requests: int) -> Sample:
         metrics = process.metrics() if process.metrics_url else {}
         streams = metrics.get("tandem_sessions_active", metrics.get("tandem:num_requests_running", 0.0))
         figures[name] = {"rss_mib": proc.memory_info().rss / 2**20, "fds": proc.num_fds(),
-                         "threads": proc.num_threads(), "streams": streams}
+                         "threads": proc.num_threads(), "streams": streams,
+                         "prefix_tokens": metrics.get("tandem_prefix_cache_tokens", 0.0)}
     return Sample(time.monotonic() - started, requests, figures)
 
 
@@ -127,7 +129,7 @@ def run_soak(stack: Stack, samples: list[Sample], *, clients: int, requests: int
         count=count))
 
 
-def _seconds(text: str) -> float:
+def seconds(text: str) -> float:
     """'90', '90s', '15m', '1h' -> seconds."""
     match = re.fullmatch(r"(\d+(?:\.\d+)?)([smh]?)", text.strip())
     if not match:
@@ -138,8 +140,8 @@ def _seconds(text: str) -> float:
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="tandem bench-load --duration", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--duration", type=_seconds, required=True, help="how long: 90s, 15m, 1h")
-    parser.add_argument("--sample-every", type=_seconds, default=60.0, help="sampling interval")
+    parser.add_argument("--duration", type=seconds, required=True, help="how long: 90s, 15m, 1h")
+    parser.add_argument("--sample-every", type=seconds, default=60.0, help="sampling interval")
     parser.add_argument("--clients", type=int, default=8, help="concurrent streaming clients")
     parser.add_argument("--seed", type=int, default=0, help="seed of the workload")
     parser.add_argument("--draft", default="", help="draft model (default: a tiny random one)")

@@ -78,6 +78,10 @@ RECOVERED_TOKENS = Counter("tandem_recovered_tokens",
                            "Tokens the target resampled at the first rejected draft position.")
 DRAFTLESS_REQUESTS = Counter("tandem_draftless_requests",
                              "Requests decoded by the target alone: no draft replica was ready.")
+SESSION_STREAMS_ENDED = Counter(
+    "tandem_session_streams_ended", "Session streams to replicas this orchestrator ended, by service "
+    "and how: half-closed (at rest: the replica's handler ends as a finished stream does) or "
+    "cancelled (work of it outstanding, which the cancel stops).", ["service", "how"])
 SESSION_REBUILDS = Counter("tandem_session_rebuilds",
                            "Sessions rebuilt from the history after a replica lost them (died, "
                            "restarted, evicted the KV cache), by service.", ["service"])

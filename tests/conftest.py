@@ -50,13 +50,14 @@ def tiny_draft(tiny_dir: Path, tiny_target: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_stack(tiny_draft: Path, tiny_target: Path) -> Iterator[Stack]:
-    # Metrics endpoints on the draft and target: tests read their session and KV gauges.
+    # Metrics endpoints on every service: tests read the replicas' session and KV gauges, and
+    # how the orchestrator ended its session streams.
     metrics = ["--metrics-port", "0"]
     # The target runs its decode runs through the static slot (tandem.decode_graph), uncompiled:
     # every test of a decode run through this stack tests it (--decode-graph auto: off on a CPU);
     # and reads greedy argmaxes through its head in slices (tandem.head) of 64 bytes of logits
     # (16 rows for a one-row pass), where the default slice is wider than the whole vocabulary.
-    stack = start_stack(str(tiny_draft), str(tiny_target), draft_args=metrics,
+    stack = start_stack(str(tiny_draft), str(tiny_target), draft_args=metrics, orchestrator_args=metrics,
                         target_args=[*metrics, "--decode-graph", "eager", "--vocab-slice-bytes", "64"])
     yield stack
     stack.stop()
