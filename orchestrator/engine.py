@@ -21,7 +21,7 @@ import uuid
 from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
-from orchestrator import discovery
+from orchestrator import discovery, remote
 from orchestrator.admission import Admission
 from orchestrator.config import OrchestratorConfig
 from orchestrator.domain import (
@@ -272,6 +272,7 @@ class Engine:
         """Stop discovery and close the replicas' channels (tests; a process just exits)."""
         for watched in self._discoveries:
             await watched.close()
+        await remote.streams_ended()
         for pool in (self.drafts, self.targets):
             if pool is not None:
                 await pool.close()

@@ -392,6 +392,14 @@ _ENDING: set[asyncio.Task[None]] = set()
 END_TIMEOUT_S = 10.0
 
 
+async def streams_ended() -> None:
+    """Until the streams being ended in the background have ended (at most END_TIMEOUT_S)."""
+    loop = asyncio.get_running_loop()
+    ending = [task for task in _ENDING if task.get_loop() is loop]
+    if ending:
+        await asyncio.wait(ending, timeout=END_TIMEOUT_S)
+
+
 async def _end(call: Any) -> None:
     try:
         async with asyncio.timeout(END_TIMEOUT_S):
