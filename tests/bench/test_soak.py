@@ -11,7 +11,8 @@ from tandem.launch import Stack
 
 def _samples(fds: list[float]) -> list[Sample]:
     return [Sample(at_s=60.0 * i, requests=10 * i,
-                   figures={"p": {"rss_mib": 100.0, "fds": f, "threads": 10.0, "streams": 0.0}})
+                   figures={"p": {"rss_mib": 100.0, "fds": f, "threads": 10.0, "streams": 0.0,
+                                  "prefix_tokens": 0.0}})
             for i, f in enumerate(fds)]
 
 
