@@ -248,12 +248,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     chars = 0 if args.target else 90
     convs = conversations(args.count, args.turns, chars)
     sized = ["--prefix-cache-tokens", str(args.prefix_cache_tokens)] if args.prefix_cache_tokens else []
+
+    def stack_with(flags: list[str], orchestrator_args: Sequence[str] = ()) -> Stack:
+        """A stack of the replicas asked for, each with `flags` on both tiers."""
+        return start_stack(None if draft == "none" else draft, target, num_drafts=drafts, num_targets=targets,
+                           threads=args.threads, draft_dtype="auto", target_dtype="auto",
+                           draft_args=[*flags, *args.draft_args.split()],
+                           target_args=[*flags, *args.target_args.split()], orchestrator_args=orchestrator_args)
+
     if args.duration:
         metrics = ["--metrics-port", "0"]
-        soaked = start_stack(None if draft == "none" else draft, target, num_drafts=drafts, num_targets=targets,
-                            threads=args.threads, draft_dtype="auto", target_dtype="auto",
-                            draft_args=[*metrics, *sized, *args.draft_args.split()],
-                            target_args=[*metrics, *sized, *args.target_args.split()], orchestrator_args=metrics)
+        soaked = stack_with([*metrics, *sized], orchestrator_args=metrics)
         samples: list[soak.Sample] = []
         try:
             served, failures = soak_conversations(soaked, tokenizer, args, chars, samples)
@@ -275,11 +280,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     replies: dict[str, dict[tuple[int, int], str]] = {}
     for mode in args.modes.split(","):
         for clients in (int(c) for c in args.clients.split(",")):
-            flags = ["--prefix-cache", mode, *sized]
-            stack: Stack = start_stack(None if draft == "none" else draft, target, num_drafts=drafts,
-                                       num_targets=targets, threads=args.threads, draft_dtype="auto",
-                                       target_dtype="auto", draft_args=[*flags, *args.draft_args.split()],
-                                       target_args=[*flags, *args.target_args.split()])
+            stack = stack_with(["--prefix-cache", mode, *sized])
             try:
                 results, wall = asyncio.run(run_conversations(stack.address, tokenizer, convs, clients,
                                                               args.max_new_tokens))

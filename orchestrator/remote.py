@@ -369,8 +369,8 @@ class RemoteSession:
         background (the replica's handler then ends as a finished stream does, and the caller
         does not wait); one with answers outstanding (a step cut short, a decode run stopped
         early) is cancelled, which stops the replica's work on it. A cancelled grpc.aio stream
-        costs the replica about 100 bytes of native memory that are never freed (grpc issue
-        43360), so cancelling is kept for the streams that need it."""
+        costs the replica about 100 bytes of native memory that are never freed (upstream:
+        grpc/grpc#43360), so cancelling is kept for the streams that need it."""
         call, self._call = self._call, None
         if call is not None:
             how = "half-closed" if self._settled else "cancelled"

@@ -58,7 +58,7 @@ def tree_segment(token_ids: tuple[int, ...], parents: tuple[int, ...]) -> Segmen
 
 class SessionState(Protocol):
     """Soft state a proposer keeps beside a session's cache (the draft's q at each position,
-    Medusa's next tree, Lookahead's window and pool, drafting ahead's guesses). Like the cache it
+    Medusa's next tree, Lookahead's window and pool). Like the cache it
     may be lost at any time and is rebuilt as it goes; unlike the cache it knows nothing of
     the engine, so it is told when the cache is cut."""
 

@@ -237,12 +237,13 @@ def start_stack(draft_model: str | None, target_model: str, *, num_drafts: int =
     common = ["--threads", str(threads)]
     started: list[tuple[str, Process]] = []  # stopped if anything fails, a signal included
     pending: list[Launch] = []  # started, not yet announced: killed if anything fails
+    names: list[str] = []  # every service's, in start order: role, role-1, ...
 
     def launch(argv: list[str], port: int = 0, host: str = "127.0.0.1") -> tuple[str, Launch]:
         role = argv[0].removesuffix("-service")
-        count = sum(1 for r, _ in names if r.split("-")[0] == role)
+        count = sum(1 for r in names if r.split("-")[0] == role)
         name = role if count == 0 else f"{role}-{count}"
-        names.append((name, argv[0]))
+        names.append(name)
         log_file = log_dir / f"{name}.log" if log_dir else None
         pending.append(Launch(argv, port=port, host=host, log_file=log_file))
         return name, pending[-1]
@@ -253,7 +254,6 @@ def start_stack(draft_model: str | None, target_model: str, *, num_drafts: int =
         started.append((name, process))
         return process
 
-    names: list[tuple[str, str]] = []
     try:
         # The replicas start at once; the orchestrator, which needs their addresses, after.
         replicas = [launch(["draft-service", "--model", draft_model, "--dtype", draft_dtype,

@@ -110,14 +110,17 @@ class PrefixCache:
             if length > best_length or (length == best_length and best is not None
                                         and entry.last_used > best.last_used):
                 best, best_length = entry, length
-        source = None if best is None else best.cache
-        if best is not None:
-            best.last_used = next(self._clock)
+        live_cache, live_length = None, max(best_length, BLOCK_TOKENS - 1)
         for tokens, cache in live:
             length = min(common_prefix(tokens, token_ids), most)
-            if length > max(best_length, BLOCK_TOKENS - 1):
-                source, best_length = self.keep(cache), length
-        if source is None:
+            if length > live_length:
+                live_cache, live_length = cache, length
+        if live_cache is not None:
+            source, best_length = self.keep(live_cache), live_length
+        elif best is not None:
+            source = best.cache
+            best.last_used = next(self._clock)
+        else:
             return None
         self.stats = _add(self.stats, hits=1, reused_tokens=best_length)
         return self.fork(source, best_length), best_length

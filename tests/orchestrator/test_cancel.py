@@ -169,7 +169,7 @@ def test_client_streams_can_be_cancelled_and_end_with_their_with_block(tiny_stac
 def test_a_finished_request_ends_its_replica_streams_without_cancelling_them(tiny_stack: Stack) -> None:
     """A request that ran to its end half-closes its sessions' streams and reads them out, so
     each replica's handler ends as a finished stream does. A cancelled grpc.aio stream leaks
-    about 100 bytes of the replica's native memory (grpc issue 43360): a soak found it."""
+    about 100 bytes of the replica's native memory (upstream: grpc/grpc#43360): a soak measured it."""
     half_closed, cancelled = ended(tiny_stack, "half-closed"), ended(tiny_stack, "cancelled")
     with tiny_stack.client() as client:
         for k in (0, 3):  # a decode run to its last token; drafted steps
