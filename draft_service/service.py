@@ -132,9 +132,11 @@ class DraftService(ModelServicer, draft_pb2_grpc.DraftServiceServicer):
         """Draft the step after `block` on a task of its own, in free KV room only."""
         k = len(block.token_ids)
         # Its own cache: the block, the bonus token and depth drafted tokens (the last not fed);
-        # each copy for a rejection at i: the history, i drafted tokens, the guess and depth.
+        # each copy for a rejection at i: the history, i drafted tokens, the guess and depth
+        # (only the guess and depth where a copy shares its source's storage).
         own = len(history) + k + depth
-        copies = sum(len(history) + i + 1 + depth for i in range(k))
+        shared = 0 if self.host.sessions.shares_copies else 1
+        copies = sum(shared * (len(history) + i) + 1 + depth for i in range(k))
         try:
             self.host.sessions.reserve(session, own + copies, evict=False)
             with_copies = True

@@ -46,8 +46,10 @@ class OrchestratorConfig(ServerSecurityConfig):
                           "target take turns; auto: on unless a draft replica shares a target "
                           "replica's hardware (one machine, overlapping CPUs or the same GPU)")
     max_support_size: int = option(8, "K: support of each draft distribution sent over the wire")
-    proposer: str = option("", "default proposer: draft-model, prompt-lookup, lookahead, medusa or "
-                           "none (empty: draft-model when draft replicas are configured, else none)")
+    proposer: str = option("", "default proposer: auto, draft-model, suffix, prompt-lookup, lookahead, "
+                           "medusa or none (empty: auto when draft replicas are configured, else none)")
+    suffix_cache_tokens: int = option(1 << 18, "suffix decoding: tokens of recent outputs kept for every "
+                                      "request to match, oldest out first (0: none kept)")
     prompt_lookup_min_ngram: int = option(2, "prompt lookup: shortest n-gram matched in the history")
     prompt_lookup_max_ngram: int = option(3, "prompt lookup: longest n-gram matched (tried first)")
     max_new_tokens_cap: int = option(4096, "largest max_new_tokens a request may ask for")

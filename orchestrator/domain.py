@@ -31,6 +31,8 @@ REGISTRY: dict[str, ProposerSpec] = {spec.name: spec for spec in (
     ProposerSpec("prompt-lookup", "orchestrator", "nothing: n-grams of the request's own history"),
     ProposerSpec("lookahead", "target", "targets that offer it (--lookahead, on by default)"),
     ProposerSpec("medusa", "target", "targets started with --medusa-heads"),
+    ProposerSpec("suffix", "orchestrator", "nothing: the request's own tokens and recent outputs"),
+    ProposerSpec("auto", "draft", "draft replicas: suffix proposals where they pay, else the draft"),
 )}
 
 
@@ -164,6 +166,7 @@ class Generation:
     policy: str  # "fixed" or "adaptive" (see orchestrator/policy.py)
     proposer: str  # a REGISTRY name, resolved ("none" when k is 0)
     eos_token_ids: frozenset[int]  # empty when the request ignores EOS
+    max_free_tokens: int = 0  # the longest free (suffix) proposal: k when fixed, else the most k
 
 
 @dataclass(frozen=True)
@@ -190,6 +193,7 @@ class Step:
     # History tokens the replicas took from their prefix caches (a session's first step).
     draft_cached: int = 0
     target_cached: int = 0
+    proposer: str = ""  # "suffix": a free proposal took the step; "": the request's proposer
 
     @property
     def orchestrator_ms(self) -> float:
@@ -229,6 +233,8 @@ class Usage:
     replica_wire_ms: float = 0.0
     target_cached_tokens: int = 0  # prompt tokens the target took from its prefix cache
     draft_cached_tokens: int = 0  # and the draft
+    suffix_drafted_tokens: int = 0  # of drafted_tokens, suffix proposals'
+    suffix_accepted_tokens: int = 0  # of accepted_tokens, suffix proposals'
 
     def fold(self, step: Step, kept: int) -> Usage:
         """This usage after `step`, of whose tokens the first `kept` were delivered (a stop
@@ -237,6 +243,9 @@ class Usage:
             self, completion_tokens=self.completion_tokens + kept,
             drafted_tokens=self.drafted_tokens + step.drafted,
             accepted_tokens=self.accepted_tokens + min(step.accepted, kept),
+            suffix_drafted_tokens=self.suffix_drafted_tokens + (step.drafted if step.proposer == "suffix" else 0),
+            suffix_accepted_tokens=self.suffix_accepted_tokens + (
+                min(step.accepted, kept) if step.proposer == "suffix" else 0),
             rejected_tokens=self.rejected_tokens + step.rejected,
             target_forward_passes=self.target_forward_passes + 1,
             draft_ms=self.draft_ms + (0.0 if step.prefill else step.draft_ms),

@@ -40,7 +40,7 @@ from orchestrator.domain import (
     shares_compute,
 )
 from orchestrator.policy import POLICIES, BatchTable, CostModel, Deployment
-from orchestrator.proposers import DraftModelProposer, PromptLookupProposer, Proposer
+from orchestrator.proposers import AutoProposer, DraftModelProposer, PromptLookupProposer, Proposer
 from orchestrator.remote import (
     DRAFT_STUB,
     TARGET_STUB,
@@ -51,6 +51,7 @@ from orchestrator.remote import (
     fetch_tokenizer,
 )
 from orchestrator.speculation import speculate
+from orchestrator.suffix import MAX_PATTERN, SuffixIndex, SuffixProposer
 from orchestrator.text import TextStream
 from tandem import metrics, models
 from tandem.config import MAX_BLOCK_TOKENS, MAX_SUPPORT_SIZE
@@ -123,17 +124,22 @@ class Engine:
             raise ValueError(f"--max-support-size {config.max_support_size} must be in [1, "
                              f"{MAX_SUPPORT_SIZE}] (what a draft service sends per token)")
         self.has_drafts = bool(_addresses(config.draft) or config.draft_service_name)
-        if config.proposer and check_proposer(config.proposer) == "draft-model" \
+        if config.proposer and check_proposer(config.proposer) in ("draft-model", "auto") \
                 and not self.has_drafts:
-            raise ValueError("--proposer draft-model needs draft replicas (--draft or "
+            raise ValueError(f"--proposer {config.proposer} needs draft replicas (--draft or "
                              "--draft-service-name)")
+        if config.suffix_cache_tokens < 0:
+            raise ValueError(f"--suffix-cache-tokens must be at least 0, got {config.suffix_cache_tokens}")
         # Acceptance and draft cost differ per proposer; verify costs are the target's, shared.
         # overlap, auto: on until a draft replica turns out to share a target replica's hardware.
         self.deployment = Deployment(overlap=config.overlap != "off", by_batch=BatchTable.parse(
             config.speculation_by_batch, config.max_speculative_tokens))
         target_costs = CostModel(deployment=self.deployment)
         self.costs: dict[str, CostModel] = collections.defaultdict(target_costs.for_proposer)
-        self.default_proposer = config.proposer or ("draft-model" if self.has_drafts else "none")
+        self.default_proposer = config.proposer or ("auto" if self.has_drafts else "none")
+        # Recent outputs of every request, for suffix decoding to match (a cache of traffic).
+        self.suffix_index = SuffixIndex(config.suffix_cache_tokens)
+        metrics.SUFFIX_INDEX_TOKENS.set_function(lambda: self.suffix_index.tokens)
         self.admission = Admission(config.max_concurrent_requests, config.max_queued_requests)
         for waiting in (metrics.REQUESTS_QUEUED, metrics.EPP_WAITING):
             waiting.set_function(lambda: self.admission.waiting)
@@ -285,15 +291,20 @@ class Engine:
         offered = {name for name, spec in REGISTRY.items() if spec.runs_on == "orchestrator"}
         offered |= self.target_info.proposers
         if self.has_drafts:
-            offered.add("draft-model")
+            offered |= {"draft-model", "auto"}
         return offered
 
-    def _proposer(self, requested: str, k: int) -> str:
-        """The proposer a request runs with: its own choice, else the deployment's; k=0 means none."""
+    def _proposer(self, requested: str, k: int, fixed: bool) -> str:
+        """The proposer a request runs with: its own choice, else the deployment's; k=0 means
+        none. A request that fixes k and leaves the proposer to an `auto` deployment gets the
+        draft model: auto, like the adaptive k, chooses blocks by measured costs and other
+        requests' outputs, and a fixed k means fixed blocks (a seeded request reproducible)."""
         name = requested or self.default_proposer
         if name not in (offered := self.offered()):
             raise InvalidRequest(f"proposer {name} is not offered by this deployment; "
                                  f"choose one of: {', '.join(sorted(offered))}")
+        if name == "auto" and fixed and not requested:
+            name = "draft-model"
         return "none" if k == 0 else name
 
     async def validate(self, request: GenerationRequest) -> tuple[Generation, tuple[str, ...]]:
@@ -337,7 +348,7 @@ class Engine:
         if not 0 <= k <= cfg.max_speculative_tokens:
             raise InvalidRequest(
                 f"num_speculative_tokens must be in [0, {cfg.max_speculative_tokens}], got {k}")
-        proposer = self._proposer(request.proposer, k)
+        proposer = self._proposer(request.proposer, k, policy == "fixed")
         stops = request.stop_strings
         if len(stops) > MAX_STOP_STRINGS or any(not 0 < len(s) <= MAX_STOP_STRING_CHARS for s in stops):
             raise InvalidRequest(
@@ -345,7 +356,8 @@ class Engine:
         seed = request.seed if request.seed is not None else \
             int.from_bytes(os.urandom(8), "little") >> 2
         eos = frozenset() if request.ignore_eos else frozenset(info.eos_token_ids)
-        return Generation(tuple(prompt), max_new, params, seed, k, policy, proposer, eos), stops
+        return Generation(tuple(prompt), max_new, params, seed, k, policy, proposer, eos,
+                          max_free_tokens=k if explicit else cfg.max_speculative_tokens), stops
 
     async def generate(self, request: GenerationRequest, deadline_s: float | None = None
                        ) -> AsyncGenerator[Event, None]:
@@ -411,7 +423,7 @@ class Engine:
         deadline = None if deadline_s is None else asyncio.get_running_loop().time() + deadline_s
         session_id, prompt = uuid.uuid4().hex, list(gen.prompt_token_ids)
         target = TargetSession(targets, session_id, deadline, retry_s=self.config.replica_retry_s)
-        drafting = gen.proposer == "draft-model" and drafts is not None and drafts.ready and not (
+        drafting = gen.proposer in ("draft-model", "auto") and drafts is not None and drafts.ready and not (
             self.deployment.draft_shares_target and not self.deployment.overlap)
         draft = DraftSession(drafts, session_id, deadline) if drafting and drafts is not None else None
         try:
@@ -439,17 +451,21 @@ class Engine:
         if name == "prompt-lookup":
             return PromptLookupProposer(self.config.prompt_lookup_min_ngram,
                                         self.config.prompt_lookup_max_ngram)
-        if name != "draft-model" or drafts is None:
+        suffix = SuffixProposer(self.suffix_index)
+        if name == "suffix":
+            return suffix
+        if name not in ("draft-model", "auto") or drafts is None:
             return None
         if drafts.ready:
             self._draftless = False
-            return DraftModelProposer(DraftSession(drafts, session_id, deadline),
-                                      self.config.max_support_size, self.deployment.overlap)
+            draft = DraftModelProposer(DraftSession(drafts, session_id, deadline),
+                                       self.config.max_support_size, self.deployment.overlap)
+            return AutoProposer(draft, suffix) if name == "auto" else draft
         if not self._draftless:
             log.warning("no draft replica is ready: decoding with the target alone until one is")
             self._draftless = True
         metrics.DRAFTLESS_REQUESTS.inc()
-        return None
+        return suffix if name == "auto" else None
 
     async def _generate(self, gen: Generation, stops: tuple[str, ...], deadline_s: float | None,
                         started: float) -> AsyncGenerator[Event, None]:
@@ -466,8 +482,10 @@ class Engine:
         reason = FinishReason.LENGTH
         costs = self.costs[usage.proposer]
         self.deployment.active += 1
+        output: list[int] = []
         try:
             async for step in speculate(gen, proposer, target, costs):
+                output += step.token_ids
                 kept = text.add_all(step.token_ids)
                 usage = usage.fold(step, kept)
                 _observe(step, first=usage.target_forward_passes == 1, started=started)
@@ -487,6 +505,8 @@ class Engine:
             yield Summary(reason, usage, wire_bytes, (time.perf_counter() - started) * 1000.0)
         finally:
             self.deployment.active -= 1
+            if output and self.suffix_index.max_tokens:  # with the prompt's end it may follow
+                self.suffix_index.add([*gen.prompt_token_ids[-MAX_PATTERN:], *output])
             metrics.observe_tokens(prompt=usage.prompt_tokens, completion=usage.completion_tokens)
             await target.close()
             if proposer is not None:

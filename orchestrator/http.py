@@ -193,6 +193,8 @@ def usage_json(*choices: Usage) -> dict[str, Any]:
             "draft_cached_tokens": usage.draft_cached_tokens,
             # Tandem's own: how much speculation saved, per request.
             "drafted_tokens": total("drafted_tokens"), "accepted_tokens": total("accepted_tokens"),
+            "suffix_drafted_tokens": total("suffix_drafted_tokens"),
+            "suffix_accepted_tokens": total("suffix_accepted_tokens"),
             "target_forward_passes": total("target_forward_passes"), "proposer": usage.proposer,
             "draft_wait_ms": round(total("draft_wait_ms"), 3), "draft_cache_hits": total("draft_cache_hits"),
             "draft_cache_misses": total("draft_cache_misses")}

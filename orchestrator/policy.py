@@ -288,19 +288,14 @@ class Speculation:
         t_draft = self.costs.draft_ms_per_token.value
         if t_draft is None:
             return cap  # nothing measured yet: speculate, and learn
-        sessions, passes = self.costs.sessions_per_pass(), self.costs.passes_per_step()
-        t_one = self.costs.verify(sessions)
+        t_one = self.costs.verify(self.costs.sessions_per_pass())
         if t_one is None:
             return 0  # only bigger passes were measured: learn what a plain step costs, once
-        alpha, overhead = self.alpha(), self.costs.overhead_ms.value or 0.0
 
         def best(catch_up_ms: float) -> int:
             best_k, best_rate = 0, 0.0
             for k in range(cap + 1):
-                cost = k * t_draft + passes * (self.costs.verify(sessions * (k + 1)) or t_one) + overhead
-                if k:  # the catch-up, once: a share of it for each of the remaining / E(k) steps
-                    cost += catch_up_ms * expected_tokens(alpha, k) / remaining
-                rate = expected_tokens(alpha, k) / cost
+                rate = self._rate(k, t_draft, t_one, catch_up_ms, remaining)
                 if rate > best_rate:
                     best_k, best_rate = k, rate
             return best_k
@@ -319,6 +314,32 @@ class Speculation:
             costs.probing = True
             return 1
         return best_k
+
+    def _rate(self, k: int, t_draft: float, t_one: float, catch_up_ms: float, remaining: int,
+              expected: float | None = None) -> float:
+        """Tokens per millisecond of a step drafting k tokens at t_draft each (`expected`: the
+        tokens it yields, else E(k) at this request's acceptance): each session's block in one
+        pass of the sessions' blocks, through the passes queued ahead, and the draft's
+        catch-up, once, a share of it for each of the remaining / E(k) steps."""
+        sessions, passes = self.costs.sessions_per_pass(), self.costs.passes_per_step()
+        tokens = expected_tokens(self.alpha(), k) if expected is None else expected
+        cost = k * t_draft + passes * (self.costs.verify(sessions * (k + 1)) or t_one) + (
+            self.costs.overhead_ms.value or 0.0)
+        if k:
+            cost += catch_up_ms * tokens / remaining
+        return tokens / cost
+
+    def free_pays(self, tokens: int, expected: float, k: int, lag: int, remaining: int) -> bool:
+        """Whether a free proposal of `tokens` tokens, `expected` of them likely kept, yields
+        more tokens per millisecond than this step's k of the model (k = 0: the target alone).
+        Its cost is the target's pass alone; a cost not yet measured counts as the model's."""
+        t_one = self.costs.verify(self.costs.sessions_per_pass())
+        if t_one is None:
+            return True  # nothing measured yet: take the free tokens, and learn
+        t_draft = self.costs.draft_ms_per_token.value or 0.0
+        catch_up = max(0, lag - 1) * (self.costs.draft_ms_per_fed_token.value or 0.0)
+        return self._rate(tokens, 0.0, t_one, 0.0, remaining, expected=1.0 + expected) >= \
+            self._rate(k, t_draft, t_one, catch_up, remaining)
 
     def observe(self, k: int, accepted: int, draft_ms: float, verify_ms: float, step_ms: float,
                 verify_tokens: int, load: PassLoad | None = None, fed: int = 1) -> None:

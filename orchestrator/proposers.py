@@ -1,4 +1,5 @@
-"""Proposers the orchestrator runs a step with: a draft model on the draft service, or prompt lookup.
+"""Proposers the orchestrator runs a step with: a draft model on the draft service, prompt
+lookup, suffix decoding (orchestrator/suffix.py), or auto (suffix where it pays, else the draft).
 
 The seam follows transformers' candidate generators: `get_candidates` proposes a block of
 up to k tokens with the distribution each was drawn from (q), `update_candidate_strategy`
@@ -10,6 +11,9 @@ Prompt lookup runs here, not on a draft replica: it needs only the token history
 the orchestrator owns, so it costs no round trip and no replica. It is not combined with the
 draft model: replayed on the target's own output it proposes on under 10% of passes and keeps
 fewer tokens per proposal than the draft does (bench/replay.py, docs/BENCHMARKS.md).
+Suffix decoding, which also reads recent outputs of every request and proposes as far as its
+match justifies, is: `auto` offers its proposal before each step (`free`), and the loop takes
+it where it pays more than the draft's block.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from typing import Protocol
 
 from orchestrator.domain import EMPTY_BLOCK, DraftBlock
 from orchestrator.remote import DraftSession
+from orchestrator.suffix import NO_PROPOSAL, Proposal, SuffixProposer
 from tandem import metrics, sampling
 from tandem.errors import ReplicaRefused, ResourceExhausted, Unavailable
 
@@ -29,6 +34,10 @@ log = logging.getLogger(__name__)
 
 class Proposer(Protocol):
     name: str  # its orchestrator.domain.REGISTRY entry
+    # Whether it drafts blocks of the policy's k (`get_candidates`: a model, prompt lookup),
+    # and whether it offers free proposals of its own length before each step (`free`).
+    drafts: bool
+    free_proposals: bool
 
     @property
     def wire_bytes(self) -> int:
@@ -42,8 +51,12 @@ class Proposer(Protocol):
         step will likely draft, which a proposer that overlaps may draft meanwhile.
         """
 
+    def free(self, history: list[int], most: int) -> Proposal:
+        """A proposal that costs no model call (at most `most` tokens; NO_PROPOSAL: none)."""
+
     def update_candidate_strategy(self, block: DraftBlock, accepted: int, history_length: int) -> None:
-        """`accepted` of `block` were kept after `history_length` history tokens."""
+        """`accepted` of `block` (a `get_candidates` block) were kept after `history_length`
+        history tokens."""
 
     def lag(self, history_length: int) -> int:
         """History tokens the proposer must take in with its next block (a draft model's cache
@@ -62,6 +75,11 @@ class DraftModelProposer:
     overlap: bool = True  # draft the next block ahead while the target verifies (--overlap)
     name: str = "draft-model"
     lost: bool = False  # every draft replica failed: the request goes on with the target alone
+    drafts: bool = True
+    free_proposals: bool = False
+
+    def free(self, history: list[int], most: int) -> Proposal:
+        return NO_PROPOSAL
 
     @property
     def wire_bytes(self) -> int:
@@ -124,6 +142,11 @@ class PromptLookupProposer:
     max_ngram: int
     name: str = "prompt-lookup"
     wire_bytes: int = 0
+    drafts: bool = True
+    free_proposals: bool = False
+
+    def free(self, history: list[int], most: int) -> Proposal:
+        return NO_PROPOSAL
 
     async def get_candidates(self, history: list[int], num_speculative_tokens: int,
                              params: sampling.SamplingParams, seed: int, ahead: int = 0) -> DraftBlock:
@@ -145,3 +168,36 @@ class PromptLookupProposer:
 
     async def close(self) -> None:
         pass
+
+
+@dataclass
+class AutoProposer:
+    """Per step, the cheaper good proposal: a suffix proposal (free) where it is expected to
+    yield more tokens per millisecond than the draft model's block, else the draft model's
+    (the loop decides, orchestrator/speculation.py)."""
+
+    draft: DraftModelProposer
+    suffix: SuffixProposer
+    name: str = "auto"
+    drafts: bool = True
+    free_proposals: bool = True
+
+    @property
+    def wire_bytes(self) -> int:
+        return self.draft.wire_bytes
+
+    async def get_candidates(self, history: list[int], num_speculative_tokens: int,
+                             params: sampling.SamplingParams, seed: int, ahead: int = 0) -> DraftBlock:
+        return await self.draft.get_candidates(history, num_speculative_tokens, params, seed, ahead)
+
+    def free(self, history: list[int], most: int) -> Proposal:
+        return self.suffix.free(history, most)
+
+    def update_candidate_strategy(self, block: DraftBlock, accepted: int, history_length: int) -> None:
+        self.draft.update_candidate_strategy(block, accepted, history_length)
+
+    def lag(self, history_length: int) -> int:
+        return self.draft.lag(history_length)
+
+    async def close(self) -> None:
+        await self.draft.close()

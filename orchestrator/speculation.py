@@ -25,6 +25,7 @@ from orchestrator.domain import (
 from orchestrator.policy import CostModel, Speculation
 from orchestrator.proposers import Proposer
 from orchestrator.remote import TargetSession
+from orchestrator.suffix import NO_PROPOSAL
 from tandem import sampling
 
 A = TypeVar("A")
@@ -53,14 +54,19 @@ async def speculate(gen: Generation, proposer: Proposer | None, target: TargetSe
     decodes alone (one run for the whole generation, each token a step here), or proposes and
     verifies a tree itself when `target.proposer` is set. Where the policy drafts nothing
     after the prefill, the target decodes alone too, in a run as long as the policy would go
-    before looking again (`Speculation.plain_run`): no round trip per token either.
+    before looking again (`Speculation.plain_run`): no round trip per token either. A
+    proposer with free proposals (suffix, auto) offers one before each step; the step takes
+    it when its expected tokens per millisecond beat the model's k (`Speculation.free_pays`).
     """
     history = list(gen.prompt_token_ids)
     run = (target.decode(history, gen.sampling, gen.seed, len(history) + gen.max_new_tokens, gen.eos_token_ids)
            if proposer is None and not target.proposer else None)
     run_left = gen.max_new_tokens  # tokens the run in progress still decodes
     rng = torch.Generator().manual_seed(gen.seed)
-    policy = Speculation(gen.policy, gen.num_speculative_tokens if proposer else 0, costs)
+    policy = Speculation(gen.policy, gen.num_speculative_tokens if proposer and proposer.drafts else 0, costs)
+    # A proposer with free proposals (suffix decoding) finds them between runs only: a run is
+    # at most `free_run` tokens, which doubles with each run and is 1 again after a free step.
+    free_run = 1
     generated = 0
     mark = time.perf_counter()  # the end of the last step; the consumer's turn follows it
     try:
@@ -71,8 +77,19 @@ async def speculate(gen: Generation, proposer: Proposer | None, target: TargetSe
             prefill, target_synced = target.synced == 0, target.synced
             lag = proposer.lag(len(history)) if proposer is not None else 0
             k = policy.choose(remaining, prefill, lag) if run is None else 0  # a run goes on to its end
-            if run is None and proposer is not None and k == 0 and not prefill and remaining > 1:
+            free = NO_PROPOSAL
+            if run is None and proposer is not None and proposer.free_proposals and not prefill:
+                free = proposer.free(history, min(gen.max_free_tokens, remaining - 1))
+                if free.block.token_ids and policy.free_pays(len(free.block.token_ids), free.expected,
+                                                             k, lag, remaining):
+                    k, free_run = 0, 1
+                else:
+                    free = NO_PROPOSAL
+            if run is None and proposer is not None and k == 0 and not prefill and remaining > 1 \
+                    and not free.block.token_ids:
                 run_left = policy.plain_run(remaining)
+                if proposer.free_proposals:
+                    run_left, free_run = min(run_left, free_run), 2 * free_run
                 run = target.decode(history, gen.sampling, gen.seed, len(history) + run_left,
                                     gen.eos_token_ids)
             wait_ms = 0.0
@@ -88,6 +105,11 @@ async def speculate(gen: Generation, proposer: Proposer | None, target: TargetSe
                 if run_left == 0 and proposer is not None:  # the policy looks again next step
                     await run.aclose()
                     run = None
+            elif free.block.token_ids:  # a free proposal (suffix decoding): no draft call
+                block = free.block
+                called = time.perf_counter()
+                result = await target.score(history, block, gen.sampling, target_seed)
+                answered = time.perf_counter()
             elif proposer is None or k == 0 or (prefill and beside):
                 # A draft the policy does not mean to use is not prefilled: it catches up when used.
                 # Nor is one that takes turns on the target's hardware: prefilling both at once there
@@ -121,15 +143,17 @@ async def speculate(gen: Generation, proposer: Proposer | None, target: TargetSe
                 new, drafted = sampling.commit(block.token_ids, result.scored, accepted), len(block.token_ids)
                 rejected = int(accepted < drafted)
 
-            if proposer is not None:
+            if proposer is not None and not free.block.token_ids:
                 proposer.update_candidate_strategy(block, accepted, len(history))
             target.advance(result.cache_length, len(history) + accepted)
             ended = time.perf_counter()
             step_ms, cycle_ms, mark = (ended - started) * 1000.0, (ended - mark) * 1000.0, ended
             # Not a target's own tree pass: it scores a segment of a width not known here, and its
             # cost would be filed under its 1-2 new tokens, where the draft policy reads.
+            # A free step is the model's k = 0 (the draft sat it out); its pass is still measured.
             if not prefill and not isinstance(result, TreeCommit):
-                policy.observe(len(block.token_ids), accepted, block.compute_ms, result.compute_ms,
+                policy.observe(0 if free.block.token_ids else len(block.token_ids),
+                               0 if free.block.token_ids else accepted, block.compute_ms, result.compute_ms,
                                step_ms, len(history) - target_synced + len(block.token_ids), result.load,
                                fed=lag)
 
@@ -144,7 +168,8 @@ async def speculate(gen: Generation, proposer: Proposer | None, target: TargetSe
                        draft_wait_ms=wait_ms,
                        draft_hit=None if block.prebuilt < 0 or not block.token_ids else block.ahead_hit,
                        target_call_ms=(answered - called) * 1000.0, cycle_ms=cycle_ms, draft_split=block.split,
-                       target_split=result.split, draft_cached=block.cached, target_cached=result.cached)
+                       target_split=result.split, draft_cached=block.cached, target_cached=result.cached,
+                       proposer="suffix" if free.block.token_ids else "")
             if finished_by_eos:
                 return
     finally:

@@ -175,7 +175,8 @@ def usage_to_proto(usage: Usage, wire_bytes: int, total_ms: float) -> orchestrat
         draft_cache_hits=usage.draft_cache_hits, draft_cache_misses=usage.draft_cache_misses,
         draft_passes=split_to_proto(usage.draft_passes), target_passes=split_to_proto(usage.target_passes),
         orchestrator_ms=usage.orchestrator_ms, replica_wire_ms=usage.replica_wire_ms,
-        target_cached_tokens=usage.target_cached_tokens, draft_cached_tokens=usage.draft_cached_tokens)
+        target_cached_tokens=usage.target_cached_tokens, draft_cached_tokens=usage.draft_cached_tokens,
+        suffix_drafted_tokens=usage.suffix_drafted_tokens, suffix_accepted_tokens=usage.suffix_accepted_tokens)
 
 
 def delta_to_proto(delta: Delta) -> orchestrator_pb2.GenerateResponse:

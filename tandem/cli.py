@@ -532,7 +532,7 @@ def _add_generate_arguments(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("--num-speculative-tokens", type=_bounded(int, 0, UINT32), default=None,
                      help="draft block length k; 0 is plain target decoding (default: the server's)")
     gen.add_argument("--proposer", default=None,
-                     help="draft-model, prompt-lookup, lookahead, medusa or none (default: the server's)")
+                     help="auto, draft-model, suffix, prompt-lookup, lookahead, medusa or none (default: the server's)")
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true", help="generate past end-of-sequence")
     gen.add_argument("--json", action="store_true", help="print one JSON object at the end")

@@ -24,7 +24,7 @@ from tandem.errors import (
     ResourceExhausted,
     SessionEvicted,
 )
-from tandem.prefix import BLOCK_TOKENS, PrefixCache
+from tandem.prefix import BLOCK_TOKENS, Entry, PrefixCache
 from tandem.split import NO_SPLIT, PassSplit
 
 
@@ -219,6 +219,7 @@ class KVSession:
         """Free the cache. The session is over: its next step gets NOT_FOUND (a step already
         queued included, so its reservation is released too), and the caller rebuilds the
         cache on a new session."""
+        free_cache(self.cache)
         self.cache = self.new_cache()
         self.states.clear()
         self.guesses = None
@@ -230,6 +231,14 @@ class KVSession:
             raise InvalidRequest(
                 f"{field_name} contains ids outside [0, {self.vocab_size}): {bad[:5]}"
             )
+
+
+def free_cache(cache: Any) -> None:
+    """Free an engine's cache now, where it says how (tandem.llama.SeqCache.release: its cells
+    back to the pool), rather than when it is collected; nothing may use it after."""
+    release = getattr(cache, "release", None)
+    if release is not None:
+        release()
 
 
 def fork_cache(cache: Any, length: int) -> Any:
@@ -271,13 +280,20 @@ class SessionTable:
     With a prefix cache (`prefix`), a session that ends leaves its cache there (`close`), a
     session's first step may start from it (`start_from_prefix`), and its entries count in the
     budget: they are evicted before any session's cache, after idle sessions' tails.
+
+    The budget counts storage: on transformers each cache's tokens (a copy of a kept prefix
+    appends a tensor of its own at its first pass), on llama.cpp the cells of its one pool,
+    where a copy shares its source's and a shared prefix counts once (`cells`).
     """
 
     def __init__(self, max_sessions: int, kv_budget_tokens: int = 0,
-                 prefix: PrefixCache | None = None) -> None:
+                 prefix: PrefixCache | None = None, cells: Any = None) -> None:
         self.max_sessions = max_sessions
         self.kv_budget_tokens = kv_budget_tokens  # 0: no budget
         self.prefix = prefix
+        # An engine whose copies share storage (tandem.llama.Cells: each cache's `cells`);
+        # None: every cache holds its own tokens (transformers appends a new tensor to a copy).
+        self.cells = cells
         self._keeping: set[asyncio.Future[None]] = set()  # closed sessions waiting to be kept
         self._sessions: dict[int, KVSession] = {}
         self._next = 0
@@ -289,12 +305,46 @@ class SessionTable:
 
     @property
     def cached_tokens(self) -> int:
+        """Tokens the sessions' caches hold (kept prefixes are free room, and not counted)."""
+        if self.cells is not None:
+            return int(self.cells.held) - self._frees([], kept=True)
         return sum(s.length for s in self._sessions.values())
 
     def usage(self) -> float:
         """The share of the KV budget the caches hold, 0 to 1 (0 without a budget)."""
         budget = self.kv_budget_tokens
         return min(1.0, self.cached_tokens / budget) if budget else 0.0
+
+    def _claimed(self, session: KVSession, tokens: int) -> int:
+        """What the caches will hold once `session` holds `tokens` and every other session what
+        its step under way may add: the caches as they are (kept prefixes included), plus room
+        claimed and not yet filled."""
+        others = [s for s in self._sessions.values() if s is not session]
+        if self.cells is None:
+            kept = self.prefix.tokens if self.prefix is not None else 0
+            return max(tokens, session.length) + sum(max(s.reserved, s.length) for s in others) + kept
+        # A draft's copies of its tail are caches of their own, held already.
+        return int(self.cells.held) + max(0, tokens - session.length) + sum(
+            max(0, s.reserved - s.length - s.tail_extra) for s in others)
+
+    def _frees(self, sessions: list[KVSession], kept: bool = False) -> int:
+        """What evicting `sessions` (and, with `kept`, every kept prefix) would free."""
+        if self.cells is None:
+            return sum(max(s.reserved, s.length) for s in sessions) + (
+                self.prefix.tokens if kept and self.prefix is not None else 0)
+        caches = [s.cache.cells for s in sessions]
+        if kept and self.prefix is not None:
+            caches += [e.cache.cells for e in self.prefix.entries()]
+        return int(self.cells.freed_by(caches)) + sum(
+            max(0, s.reserved - s.length - s.tail_extra) for s in sessions)
+
+    def _entry_frees(self, entry: Entry) -> bool:
+        return self.cells is None or bool(self.cells.freed_by([entry.cache.cells]))
+
+    @property
+    def shares_copies(self) -> bool:
+        """Whether a copy of a cache shares its tokens' storage (costs only what it adds)."""
+        return self.cells is not None
 
     @property
     def tail_tokens(self) -> int:
@@ -334,25 +384,20 @@ class SessionTable:
             raise ResourceExhausted(
                 f"this step needs {tokens} cached tokens but the replica's KV budget is {budget} "
                 "(--kv-budget-tokens); shorten the prompt or max_new_tokens")
-        def claim(s: KVSession) -> int:
-            return max(s.reserved, s.length)
-
-        others = [s for s in self._sessions.values() if s is not session]
-        kept = self.prefix.tokens if self.prefix is not None else 0
-        claimed = max(tokens, session.length) + sum(map(claim, others)) + kept
-        if claimed - kept > budget and not evict:
+        if self._claimed(session, tokens) - self._frees([], kept=True) > budget and not evict:
             raise BudgetHeld(f"no free room in the KV budget ({budget} tokens)")
+        others = [s for s in self._sessions.values() if s is not session]
         for s in others:  # tails first: the cheapest room, as nobody has asked for them yet
-            if evict and claimed > budget and s.tail_from is not None and not s.ahead and not s.pending:
-                before = claim(s)
+            if evict and s.tail_from is not None and not s.ahead and not s.pending \
+                    and self._claimed(session, tokens) > budget:
                 s.trim_tail()
                 s.reserved = min(s.reserved, s.length)
-                claimed -= before - claim(s)
         # Then kept prefixes, least recently used first: a cache of what may come again, where
         # an idle session's cache is what will. They are free room to any claim, as cached
         # free blocks are in vLLM: drafting ahead takes them too.
-        while claimed > budget and self.prefix is not None and (freed := self.prefix.evict_one()):
-            claimed -= freed
+        while self._claimed(session, tokens) > budget and self.prefix is not None \
+                and self.prefix.evict_one(self._entry_frees):
+            pass
         if not evict:
             session.reserved = tokens
             return
@@ -360,17 +405,16 @@ class SessionTable:
         # in the middle of its step would throw its work away, and under pressure sessions
         # would evict each other's steps forever. Room held by steps under way frees when
         # they end (BudgetHeld: the caller waits for it).
-        idle = sorted((s for s in others if not s.pending and not s.in_step and claim(s)),
+        idle = sorted((s for s in others if not s.pending and not s.in_step and s.length + s.reserved),
                       key=lambda s: s.last_used)
-        if claimed - sum(map(claim, idle)) > budget:
+        if self._claimed(session, tokens) - self._frees(idle) > budget:
             raise BudgetHeld(
                 f"the replica's KV budget ({budget} tokens, --kv-budget-tokens) is held by "
                 "other sessions' steps under way; retry, or add replicas")
         session.reserved = tokens
         for victim in idle:
-            if claimed <= budget:
+            if self._claimed(session, tokens) <= budget:
                 break
-            claimed -= claim(victim)
             victim.evict()
             victim.reserved = 0
 

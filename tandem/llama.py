@@ -10,20 +10,27 @@ of the same logits; and since the rejection rule needs only the q the draft samp
 the draft's numerics move its acceptance, never the output.
 
 A session's cache (`SeqCache`) is a length kept in Python and a sequence id. llama.cpp's
-memory is touched only on the worker thread: a cut only lowers the length, and before a
-sequence takes new tokens its positions past the length are removed (`llama_memory_seq_rm`);
-a copy (drafting ahead's guesses) and a release are queued and applied by the worker, in
-order, before its next decode. So the event loop never calls into llama.cpp.
+memory is touched only on the worker thread: a copy (a kept prefix's, drafting ahead's
+guesses), a cut (the cells past the new length removed, `llama_memory_seq_rm`) and a release
+are queued and applied by the worker, in order, before its next decode. So the event loop
+never calls into llama.cpp.
+
+The context's cells are one pool (a unified cache), and a copy shares its source's cells
+(`llama_memory_seq_cp`): a system prompt kept once and copied into eight sessions is stored
+once. `Cells` keeps the same count in Python, cell by cell with references, so the session
+table's KV budget counts what the pool holds, not what each sequence holds.
 """
 
 from __future__ import annotations
 
 import ctypes
 import importlib.util
+import itertools
 import logging
 import os
+import threading
 import weakref
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -120,9 +127,50 @@ class _Slot:
     seq: int | None = None
 
 
+class Cells:
+    """The context's cells in use, as llama.cpp's unified cache holds them: each cache's cells
+    (one per position it holds), shared by its copies and counted once. Caches call it from the
+    event loop and the worker alike, hence the lock."""
+
+    def __init__(self) -> None:
+        self._refs: dict[int, int] = {}
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+
+    @property
+    def held(self) -> int:
+        return len(self._refs)
+
+    def take(self, count: int) -> list[int]:
+        with self._lock:
+            ids = [next(self._ids) for _ in range(count)]
+            self._refs.update(dict.fromkeys(ids, 1))
+        return ids
+
+    def share(self, ids: list[int]) -> list[int]:
+        with self._lock:
+            for i in ids:
+                self._refs[i] += 1
+        return list(ids)
+
+    def drop(self, ids: list[int]) -> None:
+        with self._lock:
+            for i in ids:
+                if self._refs[i] == 1:
+                    del self._refs[i]
+                else:
+                    self._refs[i] -= 1
+
+    def freed_by(self, caches: list[list[int]]) -> int:
+        """The cells that dropping these caches' `cells` would free: those no other cache holds."""
+        counts = Counter(i for ids in caches for i in ids)
+        with self._lock:
+            return sum(self._refs.get(i) == n for i, n in counts.items())
+
+
 class SeqCache:
     """One session's KV cache in the shared llama.cpp context: get_seq_length() and crop(),
-    as a DynamicCache has, and fork(length) for a copy of a prefix."""
+    as a DynamicCache has, fork(length) for a copy of a prefix, and the cells it holds."""
 
     def __init__(self, engine: LlamaEngine, source: tuple[SeqCache, int] | None = None) -> None:
         self.engine = engine
@@ -130,7 +178,9 @@ class SeqCache:
         self.slot = _Slot()
         # A copy's tokens come from its source, at the worker's next drain.
         self.source = source
-        weakref.finalize(self, engine.release, self.slot)
+        # Its cells in `engine.cells`, one per position: a copy's are its source's.
+        self.cells: list[int] = engine.cells.share(source[0].cells[:self.length]) if source else []
+        self.release = weakref.finalize(self, engine.release, self.slot, self.cells)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.length
@@ -138,12 +188,35 @@ class SeqCache:
     def crop(self, max_length: int) -> None:
         """As DynamicCache.crop in transformers 5.x: remove -max_length tokens from the end."""
         assert max_length < 0, "crop takes the (negative) number of tokens to remove"
-        self.length = max(0, self.length + max_length)
+        self.cut(self.length + max_length)
+
+    def cut(self, length: int) -> None:
+        """Hold the first `length` tokens at most; the cells past them are freed at the worker's
+        next drain (a sequence's next pass would remove them anyway, a kept prefix has none)."""
+        if length >= self.length:
+            return
+        self.length = max(0, length)
+        self.engine.cells.drop(self.cells[self.length:])
+        del self.cells[self.length:]
+        if self.slot.seq is not None or self.source is not None:
+            self.engine.ops.append(_Cut(self))
+
+    def grow(self, count: int) -> None:
+        """A decode appended `count` tokens."""
+        self.length += count
+        self.cells += self.engine.cells.take(count)
 
     def fork(self, length: int) -> SeqCache:
         copy = SeqCache(self.engine, (self, min(length, self.length)))
         self.engine.ops.append(copy)
         return copy
+
+
+@dataclass(eq=False)
+class _Cut:
+    """Remove a sequence's cells past its length as it is when the worker applies this."""
+
+    cache: SeqCache
 
 
 class LlamaEngine:
@@ -193,8 +266,9 @@ class LlamaEngine:
         self.cache_bytes = 4 if float32_attention else 2
         # Sequence ids free to take; ids of released caches come back once they are cleared.
         self.free = list(range(MAX_SEQUENCES - 1, -1, -1))
-        # Copies (a SeqCache with a source) and releases (a _Slot), applied by the worker.
-        self.ops: deque[SeqCache | _Slot] = deque()
+        # Copies (a SeqCache with a source), cuts and releases (a _Slot), applied by the worker.
+        self.ops: deque[SeqCache | _Cut | _Slot] = deque()
+        self.cells = Cells()
 
     # --- what the service asks of the model --------------------------------------------
 
@@ -224,8 +298,16 @@ class LlamaEngine:
 
     # --- the worker's side (batching.Runner) --------------------------------------------
 
-    def release(self, slot: _Slot) -> None:
-        """A cache was dropped (any thread): its sequence is cleared at the next drain."""
+    @property
+    def held_tokens(self) -> int:
+        """The cells every cache holds together (a copy's shared ones once)."""
+        return self.cells.held
+
+    def release(self, slot: _Slot, cells: list[int]) -> None:
+        """A cache was dropped (any thread): its cells are free, and its sequence is cleared at
+        the next drain."""
+        self.cells.drop(cells)
+        cells.clear()
         if slot.seq is not None:
             self.ops.append(slot)
 
@@ -237,12 +319,16 @@ class LlamaEngine:
                 self.lib.llama_memory_seq_rm(self.memory, op.seq, 0, -1)
                 self.free.append(op.seq)
                 continue
+            if isinstance(op, _Cut):
+                if op.cache.slot.seq is not None:
+                    self.lib.llama_memory_seq_rm(self.memory, op.cache.slot.seq, op.cache.length, -1)
+                continue
             assert op.source is not None
             (source, length), op.source = op.source, None
             if not length or source.slot.seq is None or not self.free:
                 # Nothing to copy, or no sequence free: the copy starts empty, and its next
                 # pass feeds it the whole history (its held tokens are then none).
-                op.length = 0
+                op.cut(0)
                 continue
             self.lib.llama_memory_seq_cp(self.memory, source.slot.seq, self._seq(op), 0, length)
 
@@ -270,7 +356,7 @@ class LlamaEngine:
             entries.append((seq, cache.length, p.token_ids, p.logits_to_keep))
         rows = self._decode(entries)
         for p in passes:
-            p.session.cache.length += len(p.token_ids)
+            p.session.cache.grow(len(p.token_ids))
         return [finish(p, r, None) for p, r in zip(passes, rows, strict=True)]
 
     def _decode(self, entries: list[tuple[int, int, tuple[int, ...], int]]) -> list[torch.Tensor]:
@@ -311,7 +397,7 @@ class LlamaEngine:
                           tokens)
 
     def cut(self, session: KVSession, length: int) -> None:
-        session.cache.length = min(session.cache.length, length)
+        session.cache.cut(length)
 
     def stoppable(self) -> list[torch.nn.Module]:
         return []

@@ -76,6 +76,9 @@ BONUS_TOKENS = Counter("tandem_bonus_tokens",
                        "Tokens the target sampled after accepting a whole drafted block.")
 RECOVERED_TOKENS = Counter("tandem_recovered_tokens",
                            "Tokens the target resampled at the first rejected draft position.")
+SUFFIX_INDEX_TOKENS = Gauge("tandem_suffix_index_tokens",
+                            "Tokens of recent outputs the orchestrator keeps for suffix decoding "
+                            "(--suffix-cache-tokens bounds them).")
 DRAFTLESS_REQUESTS = Counter("tandem_draftless_requests",
                              "Requests decoded by the target alone: no draft replica was ready.")
 SESSION_STREAMS_ENDED = Counter(

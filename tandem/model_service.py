@@ -25,7 +25,7 @@ from transformers import AutoConfig, AutoTokenizer, DynamicCache
 from tandem import batching, decode_graph, head, host, llama, matmul, models, parallel, topology
 from tandem.config import option
 from tandem.errors import BudgetHeld, InvalidRequest, Unavailable
-from tandem.kv import KVSession, SessionTable, copy_cache, fork_cache
+from tandem.kv import KVSession, SessionTable, copy_cache, fork_cache, free_cache
 from tandem.lm import Capabilities, CausalLM
 from tandem.metrics import ReplicaMetrics
 from tandem.prefix import PrefixCache
@@ -396,6 +396,7 @@ class ModelHost:
         assert isinstance(engine, llama.LlamaEngine) and path is not None
         budget = cfg.kv_budget_tokens or llama.DEFAULT_CONTEXT_TOKENS
         self.sessions.kv_budget_tokens = budget
+        self.sessions.cells = engine.cells  # copies share cells: the budget counts the pool's
         # Kept prefixes hold sequences of their own; a draft keeps half the rest for drafting
         # ahead's copies; a target copies none.
         free = llama.MAX_SEQUENCES - (LLAMA_PREFIX_ENTRIES if cfg.prefix_cache == "on" else 0)
@@ -449,7 +450,7 @@ class ModelHost:
         self.sessions.prefix = PrefixCache(
             max_tokens=most, max_entries=entries, fork=fork, keep=keep or (lambda cache: cache),
             on_evict=lambda tokens: self.metrics.prefix_evicted(),
-            on_change=lambda: self.metrics.prefix_held(self.prefix_tokens))
+            on_change=lambda: self.metrics.prefix_held(self.prefix_tokens), free=free_cache)
         log.info("prefix cache: up to %d tokens in %d entries, evicted before any session's cache",
                  most, entries)
 

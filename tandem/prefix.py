@@ -81,6 +81,7 @@ class PrefixCache:
     keep: Callable[[Any], Any] = lambda cache: cache
     on_evict: Callable[[int], None] = lambda tokens: None  # an entry of that many tokens was evicted
     on_change: Callable[[], None] = lambda: None  # after an entry came or went
+    free: Callable[[Any], None] = lambda cache: None  # a dropped entry's cache, freed now
     _by_block: dict[tuple[int, ...], list[Entry]] = field(default_factory=dict)
     _clock: Any = field(default_factory=itertools.count)
     _tokens: int = 0  # over every entry: read by the session table at every step's reservation
@@ -138,15 +139,18 @@ class PrefixCache:
             if tokens[:len(entry.token_ids)] == entry.token_ids:  # this one serves all it would
                 bucket.remove(entry)
                 self._tokens -= len(entry.token_ids)
+                self.free(entry.cache)
         bucket.append(Entry(tokens, self.keep(cache), next(self._clock)))
         self._tokens += len(tokens)
         while self.tokens > self.max_tokens or len(self.entries()) > self.max_entries:
             self.evict_one()
         self.on_change()
 
-    def evict_one(self) -> int:
-        """Drop the least recently used entry; the tokens that freed (0: none was held)."""
-        entries = self.entries()
+    def evict_one(self, frees: Callable[[Entry], bool] = lambda entry: True) -> int:
+        """Drop the least recently used entry of those whose dropping `frees` storage (on
+        llama.cpp an entry whose cells live sessions copied frees none); its tokens (0: none
+        was dropped)."""
+        entries = [e for e in self.entries() if frees(e)]
         if not entries:
             return 0
         victim = min(entries, key=lambda e: e.last_used)
@@ -155,6 +159,7 @@ class PrefixCache:
         if not bucket:
             del self._by_block[victim.token_ids[:BLOCK_TOKENS]]
         self._tokens -= len(victim.token_ids)
+        self.free(victim.cache)
         self.stats = _add(self.stats, evictions=1)
         self.on_evict(len(victim.token_ids))
         self.on_change()

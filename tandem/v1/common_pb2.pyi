@@ -15,12 +15,16 @@ class Proposer(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PROPOSER_PROMPT_LOOKUP: _ClassVar[Proposer]
     PROPOSER_LOOKAHEAD: _ClassVar[Proposer]
     PROPOSER_MEDUSA: _ClassVar[Proposer]
+    PROPOSER_SUFFIX: _ClassVar[Proposer]
+    PROPOSER_AUTO: _ClassVar[Proposer]
 PROPOSER_UNSPECIFIED: Proposer
 PROPOSER_NONE: Proposer
 PROPOSER_DRAFT_MODEL: Proposer
 PROPOSER_PROMPT_LOOKUP: Proposer
 PROPOSER_LOOKAHEAD: Proposer
 PROPOSER_MEDUSA: Proposer
+PROPOSER_SUFFIX: Proposer
+PROPOSER_AUTO: Proposer
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p")

@@ -25,31 +25,31 @@ _sym_db = _symbol_database.Default()
 from tandem.v1 import common_pb2 as tandem_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ctandem/v1/orchestrator.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"\xbb\x04\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x16\n\x0e\x64rafted_tokens\x18\x03 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x04 \x01(\r\x12\x1d\n\x15target_forward_passes\x18\x05 \x01(\r\x12\x12\n\nwire_bytes\x18\x06 \x01(\x04\x12\x10\n\x08\x64raft_ms\x18\x07 \x01(\x02\x12\x11\n\ttarget_ms\x18\x08 \x01(\x02\x12\x10\n\x08total_ms\x18\t \x01(\x02\x12\x12\n\nprefill_ms\x18\n \x01(\x02\x12%\n\x08proposer\x18\x0b \x01(\x0e\x32\x13.tandem.v1.Proposer\x12\x17\n\x0frejected_tokens\x18\x0c \x01(\r\x12\x15\n\rdraft_wait_ms\x18\r \x01(\x02\x12\x18\n\x10\x64raft_cache_hits\x18\x0e \x01(\r\x12\x1a\n\x12\x64raft_cache_misses\x18\x0f \x01(\r\x12*\n\x0c\x64raft_passes\x18\x10 \x01(\x0b\x32\x14.tandem.v1.PassSplit\x12+\n\rtarget_passes\x18\x11 \x01(\x0b\x32\x14.tandem.v1.PassSplit\x12\x17\n\x0forchestrator_ms\x18\x12 \x01(\x02\x12\x17\n\x0freplica_wire_ms\x18\x13 \x01(\x02\x12\x1c\n\x14target_cached_tokens\x18\x14 \x01(\r\x12\x1b\n\x13\x64raft_cached_tokens\x18\x15 \x01(\r\"\xb8\x02\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12#\n\x16num_speculative_tokens\x18\x06 \x01(\rH\x01\x88\x01\x01\x12\x14\n\x0cstop_strings\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12%\n\x08proposer\x18\t \x01(\x0e\x32\x13.tandem.v1.Proposer\x12\t\n\x01n\x18\n \x01(\rB\x07\n\x05_seedB\x19\n\x17_num_speculative_tokens\"t\n\x10GenerateResponse\x12&\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x15.tandem.v1.TokenDeltaH\x00\x12/\n\x07summary\x18\x02 \x01(\x0b\x32\x1c.tandem.v1.GenerationSummaryH\x00\x42\x07\n\x05\x65vent\"C\n\nTokenDelta\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x14\n\x0c\x63hoice_index\x18\x03 \x01(\r\"z\n\x11GenerationSummary\x12.\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x1f\n\x05usage\x18\x02 \x01(\x0b\x32\x10.tandem.v1.Usage\x12\x14\n\x0c\x63hoice_index\x18\x03 \x01(\r\"\xbd\x02\n\x14GenerateUnaryRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12#\n\x16num_speculative_tokens\x18\x06 \x01(\rH\x01\x88\x01\x01\x12\x14\n\x0cstop_strings\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12%\n\x08proposer\x18\t \x01(\x0e\x32\x13.tandem.v1.Proposer\x12\t\n\x01n\x18\n \x01(\rB\x07\n\x05_seedB\x19\n\x17_num_speculative_tokens\"\xad\x01\n\x15GenerateUnaryResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.tandem.v1.Usage\x12\"\n\x07\x63hoices\x18\x05 \x03(\x0b\x32\x11.tandem.v1.Choice\"z\n\x06\x43hoice\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.tandem.v1.Usage*}\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x03\x32\xb0\x01\n\x13OrchestratorService\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12R\n\rGenerateUnary\x12\x1f.tandem.v1.GenerateUnaryRequest\x1a .tandem.v1.GenerateUnaryResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ctandem/v1/orchestrator.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"\xfa\x04\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x16\n\x0e\x64rafted_tokens\x18\x03 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x04 \x01(\r\x12\x1d\n\x15target_forward_passes\x18\x05 \x01(\r\x12\x12\n\nwire_bytes\x18\x06 \x01(\x04\x12\x10\n\x08\x64raft_ms\x18\x07 \x01(\x02\x12\x11\n\ttarget_ms\x18\x08 \x01(\x02\x12\x10\n\x08total_ms\x18\t \x01(\x02\x12\x12\n\nprefill_ms\x18\n \x01(\x02\x12%\n\x08proposer\x18\x0b \x01(\x0e\x32\x13.tandem.v1.Proposer\x12\x17\n\x0frejected_tokens\x18\x0c \x01(\r\x12\x15\n\rdraft_wait_ms\x18\r \x01(\x02\x12\x18\n\x10\x64raft_cache_hits\x18\x0e \x01(\r\x12\x1a\n\x12\x64raft_cache_misses\x18\x0f \x01(\r\x12*\n\x0c\x64raft_passes\x18\x10 \x01(\x0b\x32\x14.tandem.v1.PassSplit\x12+\n\rtarget_passes\x18\x11 \x01(\x0b\x32\x14.tandem.v1.PassSplit\x12\x17\n\x0forchestrator_ms\x18\x12 \x01(\x02\x12\x17\n\x0freplica_wire_ms\x18\x13 \x01(\x02\x12\x1c\n\x14target_cached_tokens\x18\x14 \x01(\r\x12\x1b\n\x13\x64raft_cached_tokens\x18\x15 \x01(\r\x12\x1d\n\x15suffix_drafted_tokens\x18\x16 \x01(\r\x12\x1e\n\x16suffix_accepted_tokens\x18\x17 \x01(\r\"\xb8\x02\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12#\n\x16num_speculative_tokens\x18\x06 \x01(\rH\x01\x88\x01\x01\x12\x14\n\x0cstop_strings\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12%\n\x08proposer\x18\t \x01(\x0e\x32\x13.tandem.v1.Proposer\x12\t\n\x01n\x18\n \x01(\rB\x07\n\x05_seedB\x19\n\x17_num_speculative_tokens\"t\n\x10GenerateResponse\x12&\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x15.tandem.v1.TokenDeltaH\x00\x12/\n\x07summary\x18\x02 \x01(\x0b\x32\x1c.tandem.v1.GenerationSummaryH\x00\x42\x07\n\x05\x65vent\"C\n\nTokenDelta\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x14\n\x0c\x63hoice_index\x18\x03 \x01(\r\"z\n\x11GenerationSummary\x12.\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x1f\n\x05usage\x18\x02 \x01(\x0b\x32\x10.tandem.v1.Usage\x12\x14\n\x0c\x63hoice_index\x18\x03 \x01(\r\"\xbd\x02\n\x14GenerateUnaryRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12#\n\x16num_speculative_tokens\x18\x06 \x01(\rH\x01\x88\x01\x01\x12\x14\n\x0cstop_strings\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12%\n\x08proposer\x18\t \x01(\x0e\x32\x13.tandem.v1.Proposer\x12\t\n\x01n\x18\n \x01(\rB\x07\n\x05_seedB\x19\n\x17_num_speculative_tokens\"\xad\x01\n\x15GenerateUnaryResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.tandem.v1.Usage\x12\"\n\x07\x63hoices\x18\x05 \x03(\x0b\x32\x11.tandem.v1.Choice\"z\n\x06\x43hoice\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.tandem.v1.Usage*}\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x03\x32\xb0\x01\n\x13OrchestratorService\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12R\n\rGenerateUnary\x12\x1f.tandem.v1.GenerateUnaryRequest\x1a .tandem.v1.GenerateUnaryResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.v1.orchestrator_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1887
-  _globals['_FINISHREASON']._serialized_end=2012
+  _globals['_FINISHREASON']._serialized_start=1950
+  _globals['_FINISHREASON']._serialized_end=2075
   _globals['_USAGE']._serialized_start=68
-  _globals['_USAGE']._serialized_end=639
-  _globals['_GENERATEREQUEST']._serialized_start=642
-  _globals['_GENERATEREQUEST']._serialized_end=954
-  _globals['_GENERATERESPONSE']._serialized_start=956
-  _globals['_GENERATERESPONSE']._serialized_end=1072
-  _globals['_TOKENDELTA']._serialized_start=1074
-  _globals['_TOKENDELTA']._serialized_end=1141
-  _globals['_GENERATIONSUMMARY']._serialized_start=1143
-  _globals['_GENERATIONSUMMARY']._serialized_end=1265
-  _globals['_GENERATEUNARYREQUEST']._serialized_start=1268
-  _globals['_GENERATEUNARYREQUEST']._serialized_end=1585
-  _globals['_GENERATEUNARYRESPONSE']._serialized_start=1588
-  _globals['_GENERATEUNARYRESPONSE']._serialized_end=1761
-  _globals['_CHOICE']._serialized_start=1763
-  _globals['_CHOICE']._serialized_end=1885
-  _globals['_ORCHESTRATORSERVICE']._serialized_start=2015
-  _globals['_ORCHESTRATORSERVICE']._serialized_end=2191
+  _globals['_USAGE']._serialized_end=702
+  _globals['_GENERATEREQUEST']._serialized_start=705
+  _globals['_GENERATEREQUEST']._serialized_end=1017
+  _globals['_GENERATERESPONSE']._serialized_start=1019
+  _globals['_GENERATERESPONSE']._serialized_end=1135
+  _globals['_TOKENDELTA']._serialized_start=1137
+  _globals['_TOKENDELTA']._serialized_end=1204
+  _globals['_GENERATIONSUMMARY']._serialized_start=1206
+  _globals['_GENERATIONSUMMARY']._serialized_end=1328
+  _globals['_GENERATEUNARYREQUEST']._serialized_start=1331
+  _globals['_GENERATEUNARYREQUEST']._serialized_end=1648
+  _globals['_GENERATEUNARYRESPONSE']._serialized_start=1651
+  _globals['_GENERATEUNARYRESPONSE']._serialized_end=1824
+  _globals['_CHOICE']._serialized_start=1826
+  _globals['_CHOICE']._serialized_end=1948
+  _globals['_ORCHESTRATORSERVICE']._serialized_start=2078
+  _globals['_ORCHESTRATORSERVICE']._serialized_end=2254
 # @@protoc_insertion_point(module_scope)

@@ -20,7 +20,7 @@ FINISH_REASON_EOS: FinishReason
 FINISH_REASON_STOP_STRING: FinishReason
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "drafted_tokens", "accepted_tokens", "target_forward_passes", "wire_bytes", "draft_ms", "target_ms", "total_ms", "prefill_ms", "proposer", "rejected_tokens", "draft_wait_ms", "draft_cache_hits", "draft_cache_misses", "draft_passes", "target_passes", "orchestrator_ms", "replica_wire_ms", "target_cached_tokens", "draft_cached_tokens")
+    __slots__ = ("prompt_tokens", "completion_tokens", "drafted_tokens", "accepted_tokens", "target_forward_passes", "wire_bytes", "draft_ms", "target_ms", "total_ms", "prefill_ms", "proposer", "rejected_tokens", "draft_wait_ms", "draft_cache_hits", "draft_cache_misses", "draft_passes", "target_passes", "orchestrator_ms", "replica_wire_ms", "target_cached_tokens", "draft_cached_tokens", "suffix_drafted_tokens", "suffix_accepted_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -42,6 +42,8 @@ class Usage(_message.Message):
     REPLICA_WIRE_MS_FIELD_NUMBER: _ClassVar[int]
     TARGET_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SUFFIX_DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SUFFIX_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     drafted_tokens: int
@@ -63,7 +65,9 @@ class Usage(_message.Message):
     replica_wire_ms: float
     target_cached_tokens: int
     draft_cached_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., target_forward_passes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., draft_ms: _Optional[float] = ..., target_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., proposer: _Optional[_Union[_common_pb2.Proposer, str]] = ..., rejected_tokens: _Optional[int] = ..., draft_wait_ms: _Optional[float] = ..., draft_cache_hits: _Optional[int] = ..., draft_cache_misses: _Optional[int] = ..., draft_passes: _Optional[_Union[_common_pb2.PassSplit, _Mapping]] = ..., target_passes: _Optional[_Union[_common_pb2.PassSplit, _Mapping]] = ..., orchestrator_ms: _Optional[float] = ..., replica_wire_ms: _Optional[float] = ..., target_cached_tokens: _Optional[int] = ..., draft_cached_tokens: _Optional[int] = ...) -> None: ...
+    suffix_drafted_tokens: int
+    suffix_accepted_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., target_forward_passes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., draft_ms: _Optional[float] = ..., target_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., proposer: _Optional[_Union[_common_pb2.Proposer, str]] = ..., rejected_tokens: _Optional[int] = ..., draft_wait_ms: _Optional[float] = ..., draft_cache_hits: _Optional[int] = ..., draft_cache_misses: _Optional[int] = ..., draft_passes: _Optional[_Union[_common_pb2.PassSplit, _Mapping]] = ..., target_passes: _Optional[_Union[_common_pb2.PassSplit, _Mapping]] = ..., orchestrator_ms: _Optional[float] = ..., replica_wire_ms: _Optional[float] = ..., target_cached_tokens: _Optional[int] = ..., draft_cached_tokens: _Optional[int] = ..., suffix_drafted_tokens: _Optional[int] = ..., suffix_accepted_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("prompt", "prompt_token_ids", "max_new_tokens", "sampling", "seed", "num_speculative_tokens", "stop_strings", "ignore_eos", "proposer", "n")

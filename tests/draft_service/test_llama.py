@@ -20,7 +20,8 @@ from transformers import AutoModelForCausalLM
 from draft_service.proposer import Drafter, draw, fork
 from tandem import llama, sampling
 from tandem.batching import Pass, PassOutput
-from tandem.kv import KVSession
+from tandem.kv import KVSession, SessionTable, fork_cache, free_cache
+from tandem.prefix import PrefixCache
 from tandem.launch import Stack, start_stack
 
 pytestmark = pytest.mark.skipif(not llama.available(), reason="llama-cpp-python is not installed")
@@ -100,6 +101,75 @@ def test_released_caches_give_their_sequences_back(engine: llama.LlamaEngine) ->
     del caches, s
     engine.single(Pass(kept, 1, (5,)))  # the next pass applies the releases
     assert len(engine.free) == free
+
+
+def test_copies_share_cells_and_the_count_is_what_the_context_holds(gguf_draft: Path) -> None:
+    """The pool has 512 cells for caches (and 256 for one decode's new tokens). A 300-token
+    prefix copied into four sessions that add 40 tokens each holds 460 cells, as `Cells`
+    counts them: were the copies' cells their own (1,540), or a cut's cells left in the pool,
+    llama.cpp would find no room for the decodes below."""
+    small = llama.LlamaEngine(str(gguf_draft), context_tokens=512, max_batch_tokens=64, threads=1)
+    try:
+        rng = random.Random(3)
+        prefix = session(small, "prefix")
+        small.single(Pass(prefix, 0, tuple(rng.randrange(2, VOCAB) for _ in range(300))))
+        assert small.held_tokens == 300
+        copies = [fork(prefix, 300) for _ in range(4)]
+        assert small.held_tokens == 300
+        for c in copies:
+            small.single(Pass(c, 300, tuple(rng.randrange(2, VOCAB) for _ in range(40))))
+        assert small.held_tokens == 460
+        assert small.cells.freed_by([copies[0].cache.cells]) == 40
+        assert small.cells.freed_by([prefix.cache.cells]) == 0  # every copy holds it too
+        assert small.cells.freed_by([c.cache.cells for c in [prefix, *copies]]) == 460
+        # Cut back, a cache's cells go back to the pool (at the next decode, in llama.cpp).
+        for c in copies:
+            c.rollback(100)
+        prefix.rollback(50)
+        assert small.held_tokens == 100
+        for c in copies[:3]:  # 3 x 150 more: 550 held, and room in the 768 cells only if the
+            # cells cut were freed (the prefix's 250 past 50, the fourth copy's 40)
+            small.single(Pass(c, 100, tuple(rng.randrange(2, VOCAB) for _ in range(150))))
+        assert small.held_tokens == 550
+        del copies, c
+        gc.collect()
+        assert small.held_tokens == 50  # the prefix alone
+    finally:
+        small.close()
+
+
+def test_the_budget_counts_a_shared_prefix_once(gguf_draft: Path) -> None:
+    """A 300-token prefix kept, then four sessions from it of 340 tokens each: 460 cells in a
+    512-token budget, so no session is evicted (counted per holder they would need 1,660). A
+    fifth session of 100 new tokens needs 48 cells: the kept entry frees nothing while the
+    sessions share its cells, so it stays, and the two least recently used sessions go (40
+    cells of their own each)."""
+    small = llama.LlamaEngine(str(gguf_draft), context_tokens=512, max_batch_tokens=64, threads=1)
+    table = SessionTable(16, 512, PrefixCache(max_tokens=512, max_entries=4, fork=fork_cache,
+                                              free=free_cache), cells=small.cells)
+    rng = random.Random(4)
+    prompt = [rng.randrange(2, VOCAB) for _ in range(300)]
+
+    def step(history: list[int]) -> KVSession:
+        _, s = table.open(f"s{len(table)}", small.vocab_size, small.new_cache)
+        start = table.start_from_prefix(s, history)
+        table.reserve(s, len(history))
+        small.single(Pass(s, start, tuple(history[start:])))
+        table.settle(s)
+        return s
+
+    try:
+        first = step(prompt)
+        table.close(1)
+        assert first.closed and table.prefix is not None and table.prefix.tokens == 300
+        sessions = [step([*prompt, *(rng.randrange(2, VOCAB) for _ in range(40))]) for _ in range(4)]
+        assert small.held_tokens == 460 and table.cached_tokens == 460
+        assert not any(s.evicted for s in sessions) and table.prefix.tokens == 300
+        step([rng.randrange(2, VOCAB) for _ in range(100)])
+        assert [s.evicted for s in sessions] == [True, True, False, False]
+        assert table.prefix.tokens == 300 and small.held_tokens == 300 + 2 * 40 + 100
+    finally:
+        small.close()
 
 
 def test_the_same_logits_give_the_same_q_and_token_on_both_backends(engine: llama.LlamaEngine) -> None:

@@ -104,6 +104,10 @@ def test_exact_law_agrees_with_transformers_warpers(small_models: tuple[Path, Pa
     # NOTE: Medusa in one setting only: each costs ~40 s of requests through real processes;
     # the tree rule itself is tested against exact laws in tests/tandem/test_sampling.py.
     (T1, "medusa"),
+    # Suffix proposals are one-hot, as prompt lookup's (the same rule): one setting each for
+    # suffix alone and for auto, which switches between it and the draft mid-request.
+    (TRUNCATED, "suffix"),
+    (T1, "auto"),
 ], ids=lambda v: v if isinstance(v, str) else PARAMS_ID[v])
 def test_speculative_sampling_matches_target_law(small_vocab: tuple[Path, Stack],
                                                  params: sampling.SamplingParams, proposer: str) -> None:

@@ -58,6 +58,39 @@ def test_prompt_lookup_proposes_on_repeated_text(tiny_stack: Stack, tiny_target:
     assert reply.usage.drafted_tokens > 0
 
 
+@pytest.mark.parametrize("k", [1, 4, 8])
+@pytest.mark.parametrize("proposer", ["suffix", "auto"])
+def test_suffix_and_auto_greedy_output_equals_target_generate(tiny_stack: Stack, tiny_target: Path,
+                                                              proposer: str, k: int) -> None:
+    """Over a prompt that repeats itself (P, the target's continuation of P, then P), suffix
+    decoding proposes that continuation; auto takes it or the draft's block, step by step."""
+    prompt = make_tokenizer().encode(PROMPTS[1])
+    repeated = prompt + greedy_reference(tiny_target, prompt, LENGTH) + prompt
+    with tiny_stack.client() as client:
+        reply = client.generate(repeated, max_new_tokens=LENGTH, num_speculative_tokens=k,
+                                proposer=proposer, ignore_eos=True)
+    assert list(reply.token_ids) == greedy_reference(tiny_target, repeated, LENGTH)
+    usage = reply.usage
+    assert usage.proposer == (common_pb2.PROPOSER_SUFFIX if proposer == "suffix" else common_pb2.PROPOSER_AUTO)
+    assert usage.completion_tokens == usage.accepted_tokens + usage.target_forward_passes
+    assert usage.suffix_accepted_tokens <= usage.suffix_drafted_tokens <= usage.drafted_tokens
+    if proposer == "suffix":
+        assert usage.suffix_drafted_tokens == usage.drafted_tokens > 0
+        assert usage.suffix_accepted_tokens > 0  # the repeat is the target's own continuation
+
+
+def test_suffix_decoding_proposes_what_an_earlier_request_generated(tiny_stack: Stack, tiny_target: Path) -> None:
+    """A request's output is kept for every later request: the same prompt again is proposed
+    the first reply's tokens, and greedy keeps nearly all of them."""
+    prompt = make_tokenizer().encode(PROMPTS[2]) + [7, 11, 13]  # a history of its own
+    with tiny_stack.client() as client:
+        first = client.generate(prompt, max_new_tokens=LENGTH, num_speculative_tokens=0, ignore_eos=True)
+        again = client.generate(prompt, max_new_tokens=LENGTH, num_speculative_tokens=8,
+                                proposer="suffix", ignore_eos=True)
+    assert list(again.token_ids) == list(first.token_ids) == greedy_reference(tiny_target, prompt, LENGTH)
+    assert again.usage.suffix_accepted_tokens >= LENGTH // 2
+
+
 @pytest.fixture(scope="module")
 def lookahead_stacks(tiny_stack: Stack, tiny_target: Path) -> Iterator[dict[str, Stack]]:
     """W,N,G -> a stack whose target runs Lookahead with them (tiny_stack: the default 5,3,5)."""

@@ -39,7 +39,10 @@ def test_a_session_goes_where_its_prefix_went_unless_that_replica_is_past_the_bo
     turn = block_keys(list(range(4 * BLOCK_TOKENS)))
     first_block_winner = rendezvous(turn[0], ["a", "b"])[0]
     other = "b" if first_block_winner == "a" else "a"
-    routes.record(turn[:3], other)  # an earlier turn went to the other replica
+    # Another conversation went to the other replica through the first three blocks (a shared
+    # system prompt) and on past them.
+    routes.record([*turn[:3], *block_keys(list(range(5 * BLOCK_TOKENS, 7 * BLOCK_TOKENS)))], other)
+    assert routes.continued(turn, ["a", "b"]) is None
     assert choose({"a": 0, "b": 0}, turn, routes) == other
     # That replica is past the bound: ceil(1.25 * 4 / 2) = 3 open sessions.
     assert LOAD_BOUND == 1.25
@@ -48,6 +51,30 @@ def test_a_session_goes_where_its_prefix_went_unless_that_replica_is_past_the_bo
     assert choose({"a": 2, "b": 1}, [], routes) == "b"
     routes.forget(other)
     assert choose({"a": 0, "b": 0}, turn, routes) == first_block_winner
+
+
+def test_a_conversation_stays_where_its_earlier_turn_went_past_the_bound() -> None:
+    """A later turn holds the earlier turn's whole history: it goes where that turn went, even
+    when the other conversations there kept their replica busy while those elsewhere ended
+    (four open there, none on the other); a new conversation sharing only its system prompt
+    is still held to the bound, and one that went past an end makes it a shared prefix."""
+    routes = PrefixRoutes()
+    system = list(range(3 * BLOCK_TOKENS))
+    earlier = block_keys([*system, *range(100, 100 + BLOCK_TOKENS)])
+    later = block_keys([*system, *range(100, 100 + 3 * BLOCK_TOKENS)])
+    stranger = block_keys([*system, *range(900, 900 + 2 * BLOCK_TOKENS)])
+    held = "b" if rendezvous(earlier[0], ["a", "b"])[0] == "a" else "a"
+    free = "a" if held == "b" else "b"
+    routes.record(earlier, held)
+    assert routes.continued(later, ["a", "b"]) == held
+    assert choose({held: 4, free: 0}, later, routes) == held
+    assert choose({held: 4, free: 0}, stranger, routes) == free
+    # n > 1: the choices hold exactly the prefilled prompt, and go where it went.
+    assert choose({held: 4, free: 0}, earlier, routes) == held
+    routes.record(stranger, free)  # it went past the system prompt's blocks only: no end there
+    assert routes.continued(later, ["a", "b"]) == held
+    routes.record(later, held)  # the next turn went past the earlier turn's end
+    assert routes.continued(earlier, ["a", "b"]) is None and routes.continued(later, [held]) == held
 
 
 def test_routes_are_bounded() -> None:

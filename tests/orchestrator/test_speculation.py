@@ -18,6 +18,8 @@ from tandem.errors import Unavailable
 class SlowDraft:
     """A draft whose prefill is still running (e.g. backing off before a retry)."""
 
+    drafts, free_proposals = True, False
+
     def __init__(self) -> None:
         self.started = asyncio.Event()
         self.cancelled = False
