@@ -21,8 +21,8 @@ from draft_service.proposer import Drafter, draw, fork
 from tandem import llama, sampling
 from tandem.batching import Pass, PassOutput
 from tandem.kv import KVSession, SessionTable, fork_cache, free_cache
-from tandem.prefix import PrefixCache
 from tandem.launch import Stack, start_stack
+from tandem.prefix import PrefixCache
 
 pytestmark = pytest.mark.skipif(not llama.available(), reason="llama-cpp-python is not installed")
 
