@@ -199,7 +199,7 @@ class SeqCache:
         self.engine.cells.drop(self.cells[self.length:])
         del self.cells[self.length:]
         if self.slot.seq is not None or self.source is not None:
-            self.engine.ops.append(_Cut(self))
+            self.engine.ops.append(_Cut(weakref.ref(self)))
 
     def grow(self, count: int) -> None:
         """A decode appended `count` tokens."""
@@ -208,15 +208,25 @@ class SeqCache:
 
     def fork(self, length: int) -> SeqCache:
         copy = SeqCache(self.engine, (self, min(length, self.length)))
-        self.engine.ops.append(copy)
+        self.engine.ops.append(_Copy(weakref.ref(copy)))
         return copy
 
 
+# The worker's queued operations name their cache weakly: a cache dropped before they are
+# applied is skipped (its release, queued when it went, clears its sequence), so an idle
+# engine holds no dropped cache, nor its cells.
 @dataclass(eq=False)
 class _Cut:
     """Remove a sequence's cells past its length as it is when the worker applies this."""
 
-    cache: SeqCache
+    cache: weakref.ref[SeqCache]
+
+
+@dataclass(eq=False)
+class _Copy:
+    """Give a copy its source's cells (the copy holds its source and length)."""
+
+    cache: weakref.ref[SeqCache]
 
 
 class LlamaEngine:
@@ -266,8 +276,8 @@ class LlamaEngine:
         self.cache_bytes = 4 if float32_attention else 2
         # Sequence ids free to take; ids of released caches come back once they are cleared.
         self.free = list(range(MAX_SEQUENCES - 1, -1, -1))
-        # Copies (a SeqCache with a source), cuts and releases (a _Slot), applied by the worker.
-        self.ops: deque[SeqCache | _Cut | _Slot] = deque()
+        # Copies, cuts and releases (a _Slot), applied by the worker in order.
+        self.ops: deque[_Copy | _Cut | _Slot] = deque()
         self.cells = Cells()
 
     # --- what the service asks of the model --------------------------------------------
@@ -319,18 +329,21 @@ class LlamaEngine:
                 self.lib.llama_memory_seq_rm(self.memory, op.seq, 0, -1)
                 self.free.append(op.seq)
                 continue
-            if isinstance(op, _Cut):
-                if op.cache.slot.seq is not None:
-                    self.lib.llama_memory_seq_rm(self.memory, op.cache.slot.seq, op.cache.length, -1)
+            cache = op.cache()
+            if cache is None:
                 continue
-            assert op.source is not None
-            (source, length), op.source = op.source, None
+            if isinstance(op, _Cut):
+                if cache.slot.seq is not None:
+                    self.lib.llama_memory_seq_rm(self.memory, cache.slot.seq, cache.length, -1)
+                continue
+            assert cache.source is not None
+            (source, length), cache.source = cache.source, None
             if not length or source.slot.seq is None or not self.free:
                 # Nothing to copy, or no sequence free: the copy starts empty, and its next
                 # pass feeds it the whole history (its held tokens are then none).
-                op.cut(0)
+                cache.cut(0)
                 continue
-            self.lib.llama_memory_seq_cp(self.memory, source.slot.seq, self._seq(op), 0, length)
+            self.lib.llama_memory_seq_cp(self.memory, source.slot.seq, self._seq(cache), 0, length)
 
     def _seq(self, cache: SeqCache) -> int:
         if cache.slot.seq is None:

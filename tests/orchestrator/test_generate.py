@@ -11,7 +11,8 @@ import pytest
 from scrape import sample
 from tiny import PROMPTS, greedy_reference, make_model, make_tokenizer, speculated
 
-from tandem.launch import Stack, start_stack
+from tandem.client import TandemClient
+from tandem.launch import Stack, restart, spawn, start_stack, wait_serving
 from tandem.v1 import common_pb2, orchestrator_pb2
 
 LENGTH = 40
@@ -89,6 +90,31 @@ def test_suffix_decoding_proposes_what_an_earlier_request_generated(tiny_stack: 
                                 proposer="suffix", ignore_eos=True)
     assert list(again.token_ids) == list(first.token_ids) == greedy_reference(tiny_target, prompt, LENGTH)
     assert again.usage.suffix_accepted_tokens >= LENGTH // 2
+
+
+def test_a_killed_orchestrator_loses_only_its_suffix_index(tiny_stack: Stack, tiny_target: Path) -> None:
+    """The shared index is a cache of traffic: an orchestrator of its own over the stack's
+    replicas learns a reply, is SIGKILLed and started again, and serves the same request
+    exactly, with the index empty (nothing of the first reply proposed) until traffic fills it."""
+    prompt = make_tokenizer().encode(PROMPTS[0]) + [17, 19, 23]
+    argv = ["orchestrator", "--draft", tiny_stack.drafts[0].address, "--target", tiny_stack.targets[0].address]
+    orchestrator = spawn(argv)
+    try:
+        wait_serving(orchestrator)
+        with TandemClient(orchestrator.address) as client:
+            client.generate(prompt, max_new_tokens=LENGTH, num_speculative_tokens=0, ignore_eos=True)
+            learned = client.generate(prompt, max_new_tokens=LENGTH, num_speculative_tokens=8,
+                                      proposer="suffix", ignore_eos=True)
+        orchestrator.proc.kill()
+        orchestrator.proc.wait()
+        orchestrator = restart(orchestrator)
+        with TandemClient(orchestrator.address) as client:
+            fresh = client.generate(prompt, max_new_tokens=LENGTH, num_speculative_tokens=8,
+                                    proposer="suffix", ignore_eos=True)
+    finally:
+        orchestrator.stop()
+    assert list(fresh.token_ids) == list(learned.token_ids) == greedy_reference(tiny_target, prompt, LENGTH)
+    assert learned.usage.suffix_accepted_tokens > fresh.usage.suffix_accepted_tokens
 
 
 @pytest.fixture(scope="module")
