@@ -150,6 +150,8 @@ class CostModel:
     verify_ms: dict[int, Ema] = field(default_factory=dict)  # v(T): a target pass by its tokens T
     overhead_ms: Ema = field(default_factory=Ema)  # per step, outside both forwards
     alpha: Acceptance = field(default_factory=Acceptance)
+    # Free (suffix) proposals: tokens kept over tokens their estimates expected, per step.
+    free_ratio: Ema = field(default_factory=Ema)
     # Sessions per target pass (1 until a replica reports sharing), and passes queued behind
     # one at the replica; shared like verify_ms.
     batch_sessions: Ema = field(default_factory=lambda: Ema(weight=0.2))
@@ -262,6 +264,8 @@ class Speculation:
     prior_weight: float = 8.0  # tested tokens' worth of trust in the deployment-wide alpha
     tested: int = 0  # drafted tokens tested (see Acceptance)
     accepted: int = 0
+    free_expected: float = 0.0  # free proposals' expected kept tokens, summed
+    free_kept: int = 0  # and what they kept
 
     def alpha(self) -> float:
         prior = self.costs.alpha.value if self.costs.alpha.value is not None else 0.7
@@ -329,17 +333,37 @@ class Speculation:
             cost += catch_up_ms * tokens / remaining
         return tokens / cost
 
-    def free_pays(self, tokens: int, expected: float, k: int, lag: int, remaining: int) -> bool:
-        """Whether a free proposal of `tokens` tokens, `expected` of them likely kept, yields
-        more tokens per millisecond than this step's k of the model (k = 0: the target alone).
-        Its cost is the target's pass alone; a cost not yet measured counts as the model's."""
+    def free_ratio(self) -> float:
+        """Tokens free proposals had kept per token their estimates expected: this request's,
+        shrunk towards the deployment's running ratio (1 until measured)."""
+        prior = self.costs.free_ratio.value if self.costs.free_ratio.value is not None else 1.0
+        return (self.free_kept + prior * self.prior_weight) / (self.free_expected + self.prior_weight)
+
+    def free_length(self, probabilities: Sequence[float], k: int, lag: int, remaining: int) -> int:
+        """How many tokens of a free proposal to verify (0: none): the length whose expected
+        yield per millisecond is highest, if it beats this step's k of the model (k = 0: the
+        target alone). Its tokens' estimated probabilities are scaled by `free_ratio`, and
+        its cost is the target's pass alone; nothing measured yet: all of it, to learn."""
         t_one = self.costs.verify(self.costs.sessions_per_pass())
         if t_one is None:
-            return True  # nothing measured yet: take the free tokens, and learn
+            return len(probabilities)
         t_draft = self.costs.draft_ms_per_token.value or 0.0
         catch_up = max(0, lag - 1) * (self.costs.draft_ms_per_fed_token.value or 0.0)
-        return self._rate(tokens, 0.0, t_one, 0.0, remaining, expected=1.0 + expected) >= \
-            self._rate(k, t_draft, t_one, catch_up, remaining)
+        best, best_rate = 0, self._rate(k, t_draft, t_one, catch_up, remaining)
+        ratio, kept = self.free_ratio(), 0.0
+        for n, probability in enumerate(probabilities, 1):
+            kept += ratio * probability
+            rate = self._rate(n, 0.0, t_one, 0.0, remaining, expected=1.0 + kept)
+            if rate > best_rate:
+                best, best_rate = n, rate
+        return best
+
+    def observe_free(self, expected: float, kept: int) -> None:
+        """A free proposal expected to keep `expected` tokens kept `kept`."""
+        self.free_expected += expected
+        self.free_kept += kept
+        if expected > 0:
+            self.costs.free_ratio.add(kept / expected)
 
     def observe(self, k: int, accepted: int, draft_ms: float, verify_ms: float, step_ms: float,
                 verify_tokens: int, load: PassLoad | None = None, fed: int = 1) -> None:

@@ -56,7 +56,7 @@ async def speculate(gen: Generation, proposer: Proposer | None, target: TargetSe
     after the prefill, the target decodes alone too, in a run as long as the policy would go
     before looking again (`Speculation.plain_run`): no round trip per token either. A
     proposer with free proposals (suffix, auto) offers one before each step; the step takes
-    it when its expected tokens per millisecond beat the model's k (`Speculation.free_pays`).
+    it when its expected tokens per millisecond beat the model's k (`Speculation.free_length`).
     """
     history = list(gen.prompt_token_ids)
     run = (target.decode(history, gen.sampling, gen.seed, len(history) + gen.max_new_tokens, gen.eos_token_ids)
@@ -80,8 +80,8 @@ async def speculate(gen: Generation, proposer: Proposer | None, target: TargetSe
             free = NO_PROPOSAL
             if run is None and proposer is not None and proposer.free_proposals and not prefill:
                 free = proposer.free(history, min(gen.max_free_tokens, remaining - 1))
-                if free.block.token_ids and policy.free_pays(len(free.block.token_ids), free.expected,
-                                                             k, lag, remaining):
+                free = free.cut(policy.free_length(free.probabilities, k, lag, remaining))
+                if free.block.token_ids:
                     k, free_run = 0, 1
                 else:
                     free = NO_PROPOSAL
@@ -143,7 +143,9 @@ async def speculate(gen: Generation, proposer: Proposer | None, target: TargetSe
                 new, drafted = sampling.commit(block.token_ids, result.scored, accepted), len(block.token_ids)
                 rejected = int(accepted < drafted)
 
-            if proposer is not None and not free.block.token_ids:
+            if free.block.token_ids:
+                policy.observe_free(free.expected, accepted)
+            elif proposer is not None:
                 proposer.update_candidate_strategy(block, accepted, len(history))
             target.advance(result.cache_length, len(history) + accepted)
             ended = time.perf_counter()

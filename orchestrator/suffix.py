@@ -113,12 +113,13 @@ class SuffixIndex:
         return best, found
 
 
-def continuation(found: list[tuple[list[int], int]], most: int) -> tuple[list[int], float]:
+def continuation(found: list[tuple[list[int], int]], most: int) -> tuple[list[int], list[float]]:
     """The path most of the occurrences `found` go on with, at most `most` tokens, ending
-    where its estimated probability falls below MIN_TOKEN_PROB; and its expected accepted
-    count (the sum of the probabilities along it)."""
+    where its estimated probability falls below MIN_TOKEN_PROB; and that probability at each
+    of its tokens (their sum: its expected accepted count)."""
     tokens: list[int] = []
-    expected, probability = 0.0, 1.0
+    probabilities: list[float] = []
+    probability = 1.0
     while len(tokens) < most:
         live = [(held, j) for held, j in found if j < len(held)]
         if not live:
@@ -128,20 +129,34 @@ def continuation(found: list[tuple[list[int], int]], most: int) -> tuple[list[in
         if probability < MIN_TOKEN_PROB:
             break
         tokens.append(token)
-        expected += probability
+        probabilities.append(probability)
         found = [(held, j + 1) for held, j in live if held[j] == token]
-    return tokens, expected
+    return tokens, probabilities
 
 
 @dataclass(frozen=True)
 class Proposal:
-    """A suffix proposal: its tokens and how many of them the target is expected to keep."""
+    """A suffix proposal: its tokens, and the estimated probability that the target keeps
+    each with all before it (their sum: how many it is expected to keep)."""
 
     block: DraftBlock
-    expected: float
+    probabilities: tuple[float, ...] = ()
+
+    @property
+    def expected(self) -> float:
+        return sum(self.probabilities)
+
+    def cut(self, length: int) -> Proposal:
+        """Its first `length` tokens."""
+        if length >= len(self.probabilities):
+            return self
+        b = self.block
+        return Proposal(DraftBlock(b.token_ids[:length], b.distributions[:length],
+                                   b.draft_probs[:length], b.cache_length, b.compute_ms),
+                        self.probabilities[:length])
 
 
-NO_PROPOSAL = Proposal(EMPTY_BLOCK, 0.0)
+NO_PROPOSAL = Proposal(EMPTY_BLOCK)
 
 
 @dataclass
@@ -182,16 +197,16 @@ class SuffixProposer:
         else:
             self.own.extend(self._seq, history[self._seen:])
         self._seen = len(history)
-        best: tuple[list[int], float] = ([], 0.0)
+        best: tuple[list[int], list[float]] = ([], [])
         for index in (self.own, self.shared):
             matched, found = index.matches(history)
             if found:
-                tokens, expected = continuation(found, min(most, math.floor(MAX_SPEC_FACTOR * matched)))
-                if expected > best[1]:
-                    best = (tokens, expected)
-        tokens, expected = best
+                tokens, probabilities = continuation(found, min(most, math.floor(MAX_SPEC_FACTOR * matched)))
+                if sum(probabilities) > sum(best[1]):
+                    best = (tokens, probabilities)
+        tokens, probabilities = best
         if not tokens:
             return NO_PROPOSAL
         one_hot = tuple(sampling.SparseDistribution((t,), (1.0,)) for t in tokens)
         return Proposal(DraftBlock(tuple(tokens), one_hot, (1.0,) * len(tokens), 0,
-                                   (time.perf_counter() - started) * 1000.0), expected)
+                                   (time.perf_counter() - started) * 1000.0), tuple(probabilities))

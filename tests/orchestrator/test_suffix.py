@@ -42,15 +42,15 @@ def test_the_continuation_follows_the_majority_and_stops_at_the_probability_floo
         index.add([1, 2, *tail])
     matched, found = index.matches([0, 1, 2])
     assert matched == 2 and len(found) == 4
-    tokens, expected = continuation(found, 10)
+    tokens, probabilities = continuation(found, 10)
     # 5 (4 of 4), then 6 (3 of 4: 0.75), then 7 (2 of 3: 0.5); then nothing follows.
     assert tokens == [5, 6, 7]
-    assert abs(expected - (1.0 + 0.75 + 0.5)) < 1e-9
+    assert probabilities == [1.0, 0.75, 0.5]
     assert continuation(found, 2)[0] == [5, 6]
     spread = SuffixIndex()
     for t in range(20):  # twenty different continuations: each a twentieth, below the floor
         spread.add([1, 2, 100 + t])
-    assert 1 / 20 < MIN_TOKEN_PROB and continuation(spread.matches([1, 2])[1], 10) == ([], 0.0)
+    assert 1 / 20 < MIN_TOKEN_PROB and continuation(spread.matches([1, 2])[1], 10) == ([], [])
 
 
 def test_the_shared_index_is_bounded_and_keeps_matching_what_it_holds() -> None:
@@ -91,14 +91,24 @@ def _policy(verify: dict[int, float], draft_ms: float | None) -> Speculation:
     return Speculation("adaptive", 4, costs)
 
 
-def test_a_free_proposal_is_taken_where_it_yields_more_tokens_per_millisecond() -> None:
-    cpu = {1: 50.0, 2: 75.0, 3: 95.0, 5: 135.0, 9: 245.0, 17: 450.0}  # a target on a CPU
-    policy = _policy(cpu, draft_ms=20.0)
-    # Against the target alone (k = 0): 1 token per 50 ms.
-    assert policy.free_pays(4, 3.0, 0, 1, 64)  # 4 tokens in 135 ms
-    assert not policy.free_pays(8, 0.2, 0, 1, 64)  # 1.2 tokens in 245 ms
-    # Against the draft model at k = 4 (E(4) at the prior 0.7: 2.77 tokens in 215 ms).
-    assert policy.free_pays(4, 3.5, 4, 1, 64)
-    assert not policy.free_pays(4, 0.5, 4, 1, 64)
-    # Nothing measured yet: take it, and learn.
-    assert _policy({}, None).free_pays(4, 0.1, 0, 1, 64)
+def test_a_free_proposal_is_cut_to_the_length_that_yields_most_tokens_per_millisecond() -> None:
+    cpu = {t: 40.0 + 12.0 * t for t in range(1, 18)}  # a target on a CPU: v(1) 52 ms, v(9) 148 ms
+    policy = _policy(cpu, draft_ms=5.0)
+    sure, doubtful = [1.0] * 8, [1.0, 0.5, 0.25, 0.2, 0.15, 0.12, 0.11, 0.1]
+    # Against the target alone (k = 0: 1 token in 52 ms). A sure 8-token path yields 9 tokens
+    # in 148 ms (its first 4: 5 in 100 ms), so all 8 go; a doubtful one, its first 2 tokens
+    # (2.5 in 76 ms; 1: 2 in 64 ms; 3: 2.75 in 88 ms).
+    assert policy.free_length(sure, 0, 1, 64) == 8
+    assert policy.free_length(doubtful, 0, 1, 64) == 2
+    assert policy.free_length([0.2], 0, 1, 64) == 0  # 1.2 tokens in 64 ms: plain is better
+    # Against the draft model at k = 4 (E(4) at the prior 0.7: 2.77 tokens in 120 ms).
+    assert policy.free_length([1.0] * 4, 4, 1, 64) == 4
+    assert policy.free_length([0.3, 0.1], 4, 1, 64) == 0
+    # Proposals that kept half what they expected: the estimates count for half.
+    assert policy.free_length([0.4], 0, 1, 64) == 1  # 1.4 tokens in 64 ms
+    for _ in range(40):
+        policy.observe_free(4.0, 2)
+    assert policy.free_ratio() < 0.6
+    assert policy.free_length([0.4], 0, 1, 64) == 0  # 1.2 tokens in 64 ms
+    # Nothing measured yet: all of it, and learn.
+    assert _policy({}, None).free_length([0.1] * 3, 0, 1, 64) == 3
