@@ -50,6 +50,31 @@ class Ema:
 
 
 @dataclass
+class Ratio:
+    """Tokens free proposals kept over tokens their estimates expected, with `prior` tokens'
+    worth of 1.0 that the evidence never outweighs for good: every decode step forgets a
+    little of it (`forget`), so a deployment that stopped taking free proposals after a bad
+    streak comes back to trying them."""
+
+    prior: float = 8.0
+    kept: float = 0.0
+    expected: float = 0.0
+    keep: float = 0.99  # of the evidence, per decode step
+
+    @property
+    def value(self) -> float:
+        return (self.kept + self.prior) / (self.expected + self.prior)
+
+    def add(self, kept: float, expected: float) -> None:
+        self.kept += kept
+        self.expected += expected
+
+    def forget(self) -> None:
+        self.kept *= self.keep
+        self.expected *= self.keep
+
+
+@dataclass
 class Acceptance:
     """A running acceptance rate: drafted tokens accepted over drafted tokens *tested*.
 
@@ -150,8 +175,8 @@ class CostModel:
     verify_ms: dict[int, Ema] = field(default_factory=dict)  # v(T): a target pass by its tokens T
     overhead_ms: Ema = field(default_factory=Ema)  # per step, outside both forwards
     alpha: Acceptance = field(default_factory=Acceptance)
-    # Free (suffix) proposals: tokens kept over tokens their estimates expected, per step.
-    free_ratio: Ema = field(default_factory=Ema)
+    # Free (suffix) proposals: tokens kept over tokens their estimates expected.
+    free_ratio: Ratio = field(default_factory=lambda: Ratio())
     # Sessions per target pass (1 until a replica reports sharing), and passes queued behind
     # one at the replica; shared like verify_ms.
     batch_sessions: Ema = field(default_factory=lambda: Ema(weight=0.2))
@@ -237,6 +262,7 @@ class CostModel:
         as a pass of this step alone, as long as compute_ms); `fed`: the history tokens the
         draft took in with its block (1 in step; more: a catch-up)."""
         self.idle_steps = 0 if k else self.idle_steps + 1
+        self.free_ratio.forget()
         if k > 0:
             t_draft = self.draft_ms_per_token.value
             if fed <= 2:  # in step (2: the draft sat out one step; too little to tell apart)
@@ -336,7 +362,7 @@ class Speculation:
     def free_ratio(self) -> float:
         """Tokens free proposals had kept per token their estimates expected: this request's,
         shrunk towards the deployment's running ratio (1 until measured)."""
-        prior = self.costs.free_ratio.value if self.costs.free_ratio.value is not None else 1.0
+        prior = self.costs.free_ratio.value
         return (self.free_kept + prior * self.prior_weight) / (self.free_expected + self.prior_weight)
 
     def free_length(self, probabilities: Sequence[float], k: int, lag: int, remaining: int) -> int:
@@ -362,8 +388,7 @@ class Speculation:
         """A free proposal expected to keep `expected` tokens kept `kept`."""
         self.free_expected += expected
         self.free_kept += kept
-        if expected > 0:
-            self.costs.free_ratio.add(kept / expected)
+        self.costs.free_ratio.add(kept, expected)
 
     def observe(self, k: int, accepted: int, draft_ms: float, verify_ms: float, step_ms: float,
                 verify_tokens: int, load: PassLoad | None = None, fed: int = 1) -> None:

@@ -108,7 +108,11 @@ def test_a_free_proposal_is_cut_to_the_length_that_yields_most_tokens_per_millis
     assert policy.free_length([0.4], 0, 1, 64) == 1  # 1.4 tokens in 64 ms
     for _ in range(40):
         policy.observe_free(4.0, 2)
-    assert policy.free_ratio() < 0.6
+    assert policy.free_ratio() < 0.6 and policy.costs.free_ratio.value < 0.6
     assert policy.free_length([0.4], 0, 1, 64) == 0  # 1.2 tokens in 64 ms
+    # The deployment's ratio forgets with every decode step: a later request tries again.
+    for _ in range(300):
+        policy.costs.free_ratio.forget()
+    assert Speculation("adaptive", 4, policy.costs).free_length([0.4], 0, 1, 64) == 1
     # Nothing measured yet: all of it, and learn.
     assert _policy({}, None).free_length([0.1] * 3, 0, 1, 64) == 3
