@@ -114,6 +114,26 @@ class DraftBlock:
 EMPTY_BLOCK = DraftBlock((), (), (), 0, 0.0)
 
 
+def one_hot_block(tokens: list[int], compute_ms: float) -> DraftBlock:
+    """A deterministic proposal (prompt lookup, suffix decoding): each token a one-hot q."""
+    return DraftBlock(tuple(tokens), tuple(sampling.SparseDistribution((t,), (1.0,)) for t in tokens),
+                      (1.0,) * len(tokens), 0, compute_ms)
+
+
+class ReadsHistory:
+    """What a proposer that reads only the orchestrator's history (prompt lookup, suffix
+    decoding) does besides proposing: nothing to keep in step, nothing to release."""
+
+    def update_candidate_strategy(self, block: DraftBlock, accepted: int, history_length: int) -> None:
+        pass
+
+    def lag(self, history_length: int) -> int:
+        return 1  # it reads the history the orchestrator holds: always in step
+
+    async def close(self) -> None:
+        pass
+
+
 @dataclass(frozen=True)
 class PassLoad:
     """The target's forward pass that served a step: what the policy sees of the load."""

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import Protocol
 
-from orchestrator.domain import EMPTY_BLOCK, DraftBlock
+from orchestrator.domain import EMPTY_BLOCK, DraftBlock, ReadsHistory, one_hot_block
 from orchestrator.remote import DraftSession
 from orchestrator.suffix import NO_PROPOSAL, Proposal, SuffixProposer
 from tandem import metrics, sampling
@@ -130,7 +130,7 @@ def lookup(history: list[int], max_tokens: int, min_ngram: int, max_ngram: int) 
 
 
 @dataclass
-class PromptLookupProposer:
+class PromptLookupProposer(ReadsHistory):
     """Prompt lookup (n-gram): proposes from the history itself, no model.
 
     The proposal is a function of the history, so each token is a one-hot draft: the
@@ -156,18 +156,7 @@ class PromptLookupProposer:
         tokens = lookup(history, num_speculative_tokens, self.min_ngram, self.max_ngram)
         if not tokens:
             return EMPTY_BLOCK
-        one_hot = tuple(sampling.SparseDistribution((t,), (1.0,)) for t in tokens)
-        return DraftBlock(tuple(tokens), one_hot, (1.0,) * len(tokens), 0,
-                          (time.perf_counter() - started) * 1000.0)
-
-    def update_candidate_strategy(self, block: DraftBlock, accepted: int, history_length: int) -> None:
-        pass
-
-    def lag(self, history_length: int) -> int:
-        return 1  # it reads the history the orchestrator holds: always in step
-
-    async def close(self) -> None:
-        pass
+        return one_hot_block(tokens, (time.perf_counter() - started) * 1000.0)
 
 
 @dataclass

@@ -31,7 +31,7 @@ from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from orchestrator.domain import EMPTY_BLOCK, DraftBlock
+from orchestrator.domain import EMPTY_BLOCK, DraftBlock, ReadsHistory, one_hot_block
 from tandem import sampling
 
 MAX_PATTERN = 32  # the longest end of the history matched
@@ -160,7 +160,7 @@ NO_PROPOSAL = Proposal(EMPTY_BLOCK)
 
 
 @dataclass
-class SuffixProposer:
+class SuffixProposer(ReadsHistory):
     """Suffix decoding for one request: its own tokens, indexed as they come, and the
     deployment's shared index of recent outputs (the engine's)."""
 
@@ -176,15 +176,6 @@ class SuffixProposer:
     async def get_candidates(self, history: list[int], num_speculative_tokens: int,
                              params: sampling.SamplingParams, seed: int, ahead: int = 0) -> DraftBlock:
         return EMPTY_BLOCK
-
-    def update_candidate_strategy(self, block: DraftBlock, accepted: int, history_length: int) -> None:
-        pass
-
-    def lag(self, history_length: int) -> int:
-        return 1  # it reads the history the orchestrator holds: always in step
-
-    async def close(self) -> None:
-        pass
 
     def free(self, history: list[int], most: int) -> Proposal:
         """The better of the two indexes' proposals for what follows `history` (at most `most`
@@ -207,6 +198,4 @@ class SuffixProposer:
         tokens, probabilities = best
         if not tokens:
             return NO_PROPOSAL
-        one_hot = tuple(sampling.SparseDistribution((t,), (1.0,)) for t in tokens)
-        return Proposal(DraftBlock(tuple(tokens), one_hot, (1.0,) * len(tokens), 0,
-                                   (time.perf_counter() - started) * 1000.0), tuple(probabilities))
+        return Proposal(one_hot_block(tokens, (time.perf_counter() - started) * 1000.0), tuple(probabilities))
