@@ -50,10 +50,10 @@ def measure(runner: batching.Runner, vocab: int, sessions: int, k: int, context:
 
             def score(out: batching.PassOutput, block: list[int] = block,
                       dists: list[sampling.SparseDistribution] = dists) -> Any:
-                return scorer.block_scores(out, params, block, dists, 0)
+                return scorer.block_scores(out, params, block, dists, 0, batching.ALL_ROWS)
 
             passes.append(batching.Pass(s, context, (*ids(1), *block), logits_to_keep=k + 1,
-                                        greedy=params.greedy, reduce=score))
+                                        reads=batching.Reads(argmax=params.greedy), reduce=score))
         clock = host.begin()
         if sessions == 1:
             runner.single(passes[0])

@@ -13,12 +13,15 @@ target's law: docs/ARCHITECTURE.md ("Drafting ahead").
 from __future__ import annotations
 
 import asyncio
+import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from tandem import sampling
 from tandem.batching import Forward, Pass, PassOutput
+from tandem.grammar import GrammarState
 from tandem.kv import KVSession, fork_cache
 
 
@@ -58,7 +61,7 @@ class DraftState:
     valid while p <= the cache's length (a cut drops what follows: `rollback`).
     """
 
-    key: tuple[sampling.SamplingParams, int]  # (params, max_support_size) of the dists
+    key: tuple[sampling.SamplingParams, int, Any]  # (params, max_support_size, grammar) of the dists
     positions: dict[int, Position] = field(default_factory=dict)
 
     def rollback(self, position: int) -> bool:
@@ -66,17 +69,31 @@ class DraftState:
         return bool(self.positions)
 
 
+def within(q: sampling.SparseDistribution, allowed: torch.Tensor) -> sampling.SparseDistribution | None:
+    """q restricted to the tokens a grammar allows and renormalised (None: it gives none of
+    them mass)."""
+    kept = [(t, p) for t, p in zip(q.token_ids, q.probs, strict=True) if p > 0 and bool(allowed[t])]
+    if not kept:
+        return None
+    if len(kept) == len(q.token_ids):
+        return q
+    total = sum(p for _, p in kept)
+    return sampling.SparseDistribution(tuple(t for t, _ in kept), tuple(p / total for _, p in kept))
+
+
 class Drafter:
     """One session's drafting: each q comes from the session's cache when it already holds
-    it (drafted ahead), else from a pass."""
+    it (drafted ahead), else from a pass. Under a grammar each token is drawn from q masked
+    to what the grammar allows after the tokens before it."""
 
     def __init__(self, forward: Forward, session: KVSession, params: sampling.SamplingParams,
-                 max_support_size: int, seed: int) -> None:
+                 max_support_size: int, seed: int, grammar: GrammarState | None = None) -> None:
         self.forward, self.session, self.seed = forward, session, seed
         self.params, self.max_support_size = params, max_support_size
+        self.grammar = grammar
 
     def state(self) -> DraftState:
-        key = (self.params, self.max_support_size)
+        key = (self.params, self.max_support_size, self.grammar.spec if self.grammar is not None else None)
         state = self.session.states.get(DraftState)
         if state is None or state.key != key:
             state = DraftState(key)
@@ -91,8 +108,9 @@ class Drafter:
             return None
         return position
 
-    async def at(self, history: list[int]) -> tuple[Position, bool]:
-        """q (and the ranking) at position len(history), and whether the cache held it (no pass)."""
+    async def at(self, history: list[int], allowed: torch.Tensor | None = None) -> tuple[Position, bool]:
+        """q (and the ranking) at position len(history), and whether the cache held it (no pass).
+        `allowed`: the grammar's mask there, applied to the logits before q is taken."""
         position = self.known(history)
         if position is not None:
             return position, True
@@ -105,7 +123,8 @@ class Drafter:
         def read(out: PassOutput) -> Position:
             assert out.logits is not None
             logits = out.logits
-            return Position(sampling.draft_distribution(logits[0], params, support),
+            row = logits[0] if allowed is None else logits[0].float().masked_fill(~allowed.to(logits.device), -math.inf)
+            return Position(sampling.draft_distribution(row, params, support),
                             tuple(sampling.top_tokens(logits[0], RANKED)))
 
         computed: Position = (await self.forward(Pass(self.session, keep, tuple(history[keep:]),
@@ -122,10 +141,20 @@ class Drafter:
         dists: list[sampling.SparseDistribution] = []
         reused = 0
         for _ in range(k):
-            position, held = await self.at(history + tokens)
+            allowed = self.grammar.allowed() if self.grammar is not None else None
+            if allowed is not None and not allowed.any():
+                break
+            position, held = await self.at(history + tokens, allowed)
             reused += held
-            tokens.append(draw(position.q, self.seed, len(history) + len(tokens)))
-            dists.append(position.q)
+            # A q drafted ahead was taken without the mask: it is masked here (and where it
+            # gives the allowed tokens no mass, the block ends).
+            q = position.q if allowed is None else within(position.q, allowed)
+            if q is None:
+                break
+            tokens.append(draw(q, self.seed, len(history) + len(tokens)))
+            dists.append(q)
+            if self.grammar is not None:
+                self.grammar.take(tokens[-1])
         return tokens, dists, reused
 
 
@@ -163,8 +192,10 @@ async def propose_block(
     params: sampling.SamplingParams,
     max_support_size: int,
     seed: int,
+    grammar: GrammarState | None = None,
 ) -> ProposedBlock:
-    """Draft k tokens after `history` (the step's tokens after the prefix it assumes).
+    """Draft k tokens after `history` (the step's tokens after the prefix it assumes); under
+    a grammar (following `history`), fewer where the draft gives its allowed tokens no mass.
 
     Each token is drawn from the draft's distribution under the request's parameters,
     truncated to its `max_support_size` most likely tokens and renormalised; that
@@ -173,7 +204,7 @@ async def propose_block(
     share a pass; a token whose q the cache already holds (drafted ahead) needs none, and a
     block drafted ahead for this very history needs no pass at all.
     """
-    drafter = Drafter(forward, session, params, max_support_size, seed)
+    drafter = Drafter(forward, session, params, max_support_size, seed, grammar)
     k = num_speculative_tokens
     if k == 0:  # a prefill: fill the cache, and keep q for what follows
         adopt(session, history)
@@ -182,7 +213,7 @@ async def propose_block(
     adopt(session, history)
     tokens, dists, reused = await drafter.draft(history, k)
     # The cache may hold more (a continuation drafted ahead): the caller's view ends here.
-    return ProposedBlock(tuple(tokens), tuple(dists), len(history) + k - 1, reused)
+    return ProposedBlock(tuple(tokens), tuple(dists), len(history) + max(len(tokens) - 1, 0), reused)
 
 
 @dataclass

@@ -94,9 +94,10 @@ class DraftService(ModelServicer, draft_pb2_grpc.DraftServiceServicer):
                     raise InvalidRequest(
                         f"max_support_size must be in [1, {MAX_SUPPORT_SIZE}], got {request.max_support_size}")
                 params = sampling_from(request.sampling)
+                grammar = await self.host.grammar_for(request, session, history)
                 block, ms = await self.host.run_step(
                     session, len(history) + k, propose_block, session, history, k, params,
-                    request.max_support_size, request.seed)
+                    request.max_support_size, request.seed, grammar)
                 if drafted:
                     used = min(block.reused, drafted)
                     AHEAD_TOKENS.labels(self.host.config.model, "used").inc(used)

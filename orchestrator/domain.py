@@ -12,6 +12,7 @@ import enum
 from dataclasses import dataclass
 
 from tandem import sampling
+from tandem.grammar import GrammarSpec
 from tandem.split import NO_SPLIT, PassSplit
 
 
@@ -47,6 +48,7 @@ class FinishReason(enum.Enum):
     LENGTH = "length"  # max_new_tokens were generated
     EOS = "eos"  # the target generated an end-of-sequence token
     STOP_STRING = "stop"  # a stop string appeared (the text ends before it)
+    GRAMMAR_DEAD_END = "grammar_dead_end"  # the request's grammar allows no further token
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,8 @@ class GenerationRequest:
     ignore_eos: bool = False
     proposer: str = ""  # a REGISTRY name; "": the deployment's default
     n: int = 1  # choices generated from the prompt
+    grammar: GrammarSpec | None = None  # structured output: the grammar the reply follows
+    logprobs: int | None = None  # each token's log-probability and the top N at its position
 
 
 @dataclass(frozen=True)
@@ -187,6 +191,19 @@ class Generation:
     proposer: str  # a REGISTRY name, resolved ("none" when k is 0)
     eos_token_ids: frozenset[int]  # empty when the request ignores EOS
     max_free_tokens: int = 0  # the longest free (suffix) proposal: k when fixed, else the most k
+    grammar: GrammarSpec | None = None
+    top_logprobs: int | None = None  # each token's log-probability and the top N (None: none)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A committed token's log-probability under the target, from the pass that verified it,
+    and the most likely tokens at its position."""
+
+    token_id: int
+    logprob: float
+    top_token_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -213,7 +230,10 @@ class Step:
     # History tokens the replicas took from their prefix caches (a session's first step).
     draft_cached: int = 0
     target_cached: int = 0
-    proposer: str = ""  # "suffix": a free proposal took the step; "": the request's proposer
+    proposer: str = ""  # "suffix", "grammar": a free proposal took the step; "": the request's proposer
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token, where the request asked for them
+    target_passes: int = 1  # 0: the grammar forced the step's tokens, no model ran
+    dead_end: bool = False  # the grammar allows nothing after the step's tokens: the reply ends
 
     @property
     def orchestrator_ms(self) -> float:
@@ -255,6 +275,7 @@ class Usage:
     draft_cached_tokens: int = 0  # and the draft
     suffix_drafted_tokens: int = 0  # of drafted_tokens, suffix proposals'
     suffix_accepted_tokens: int = 0  # of accepted_tokens, suffix proposals'
+    grammar_forced_tokens: int = 0  # of drafted and accepted tokens, what the grammar forced
 
     def fold(self, step: Step, kept: int) -> Usage:
         """This usage after `step`, of whose tokens the first `kept` were delivered (a stop
@@ -266,8 +287,10 @@ class Usage:
             suffix_drafted_tokens=self.suffix_drafted_tokens + (step.drafted if step.proposer == "suffix" else 0),
             suffix_accepted_tokens=self.suffix_accepted_tokens + (
                 min(step.accepted, kept) if step.proposer == "suffix" else 0),
+            grammar_forced_tokens=self.grammar_forced_tokens + (
+                min(step.accepted, kept) if step.proposer == "grammar" else 0),
             rejected_tokens=self.rejected_tokens + step.rejected,
-            target_forward_passes=self.target_forward_passes + 1,
+            target_forward_passes=self.target_forward_passes + step.target_passes,
             draft_ms=self.draft_ms + (0.0 if step.prefill else step.draft_ms),
             target_ms=self.target_ms + (0.0 if step.prefill else step.target_ms),
             prefill_ms=self.prefill_ms + (step.wall_ms if step.prefill else 0.0),
@@ -289,6 +312,7 @@ class Delta:
     token_ids: tuple[int, ...]
     text: str
     choice: int = 0  # of a request for several (GenerationRequest.n)
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token, where the request asked for them
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from typing import Any
 from orchestrator import discovery, remote
 from orchestrator.admission import Admission
 from orchestrator.config import OrchestratorConfig
+from orchestrator.constraint import NO_CONSTRAINT, Constraint
 from orchestrator.domain import (
     EMPTY_BLOCK,
     REGISTRY,
@@ -54,8 +55,9 @@ from orchestrator.speculation import speculate
 from orchestrator.suffix import MAX_PATTERN, SuffixIndex, SuffixProposer
 from orchestrator.text import TextStream
 from tandem import metrics, models
-from tandem.config import MAX_BLOCK_TOKENS, MAX_SUPPORT_SIZE
+from tandem.config import MAX_BLOCK_TOKENS, MAX_SUPPORT_SIZE, MAX_TOP_LOGPROBS
 from tandem.errors import InvalidRequest, Unavailable
+from tandem.grammar import Grammars
 from tandem.sampling import SamplingParams, choice_seed, validate
 from tandem.security import ClientTls
 
@@ -104,6 +106,7 @@ class Engine:
         self._upstream_tls = config.upstream_tls()
         self._upstream_files = self._upstream_tls.reloading() if self._upstream_tls else None
         self.tokenizer: Any = None
+        self.grammars: Grammars | None = None  # the requests' grammars, over the target's tokenizer
         self.target_info: ModelInfo | None = None
         self.drafts: ReplicaPool | None = None
         self.targets: ReplicaPool | None = None
@@ -172,6 +175,7 @@ class Engine:
             raise SystemExit(f"--proposer {self.config.proposer}: no target replica runs it (the "
                              f"target {self.target_info.model!r} runs: {runs}); start the targets "
                              "with it (--lookahead, --medusa-heads) or choose another")
+        self.grammars = Grammars(self.tokenizer, self.target_info.vocab_size, self.target_info.eos_token_ids)
         if fingerprint != self.target_info.tokenizer_fingerprint:
             raise SystemExit(
                 f"{source} does not match the target {self.target_info.model!r}; pass "
@@ -356,8 +360,28 @@ class Engine:
         seed = request.seed if request.seed is not None else \
             int.from_bytes(os.urandom(8), "little") >> 2
         eos = frozenset() if request.ignore_eos else frozenset(info.eos_token_ids)
+        await self._check_constraints(request, proposer)
         return Generation(tuple(prompt), max_new, params, seed, k, policy, proposer, eos,
-                          max_free_tokens=k if explicit else cfg.max_speculative_tokens), stops
+                          max_free_tokens=k if explicit else cfg.max_speculative_tokens,
+                          grammar=request.grammar, top_logprobs=request.logprobs), stops
+
+    async def _check_constraints(self, request: GenerationRequest, proposer: str) -> None:
+        """A request's grammar compiles (once per text, off the event loop) and its grammar and
+        log-probabilities go with its proposer."""
+        if request.logprobs is not None and not 0 <= request.logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequest(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {request.logprobs}")
+        wants = [what for what, on in (("grammar", request.grammar is not None),
+                                       ("logprobs", request.logprobs is not None)) if on]
+        if wants and REGISTRY[proposer].runs_on == "target":
+            raise InvalidRequest(f"{' and '.join(wants)}: proposer {proposer} verifies token trees inside "
+                                 "the target, which neither masks them nor returns log-probabilities; "
+                                 "choose another proposer")
+        if request.grammar is None:
+            return
+        if request.ignore_eos:
+            raise InvalidRequest("ignore_eos cannot go with a grammar: the grammar ends the reply")
+        assert self.grammars is not None
+        await asyncio.to_thread(self.grammars.compile, request.grammar)
 
     async def generate(self, request: GenerationRequest, deadline_s: float | None = None
                        ) -> AsyncGenerator[Event, None]:
@@ -476,6 +500,15 @@ class Engine:
         target_proposer = gen.proposer if REGISTRY[gen.proposer].runs_on == "target" else ""
         target = TargetSession(targets, session_id, deadline, retry_s=self.config.replica_retry_s,
                                proposer=target_proposer)
+        if gen.top_logprobs is not None:
+            target.top_logprobs = gen.top_logprobs
+        constraint = NO_CONSTRAINT
+        if gen.grammar is not None:
+            assert self.grammars is not None
+            start = len(gen.prompt_token_ids)
+            constraint = Constraint(self.grammars.state(gen.grammar, start))
+            for session in (target, *_draft_sessions(proposer)):
+                session.grammar, session.grammar_start = gen.grammar, start
         text = TextStream(self.tokenizer, stops, gen.prompt_token_ids)
         usage = Usage(proposer=proposer.name if proposer else target_proposer or "none",
                       prompt_tokens=len(gen.prompt_token_ids))
@@ -484,7 +517,7 @@ class Engine:
         self.deployment.active += 1
         output: list[int] = []
         try:
-            async for step in speculate(gen, proposer, target, costs):
+            async for step in speculate(gen, proposer, target, costs, constraint):
                 output += step.token_ids
                 kept = text.add_all(step.token_ids)
                 usage = usage.fold(step, kept)
@@ -493,7 +526,9 @@ class Engine:
                     reason = FinishReason.STOP_STRING
                 elif step.finished_by_eos:
                     reason = FinishReason.EOS
-                yield Delta(tuple(step.token_ids[:kept]), text.take())
+                elif step.dead_end:
+                    reason = FinishReason.GRAMMAR_DEAD_END
+                yield Delta(tuple(step.token_ids[:kept]), text.take(), logprobs=step.logprobs[:kept])
                 if text.stopped:
                     break
             rest = text.take(final=True)  # may complete a stop string (an incomplete last character)
@@ -511,6 +546,12 @@ class Engine:
             await target.close()
             if proposer is not None:
                 await proposer.close()
+
+
+def _draft_sessions(proposer: Proposer | None) -> list[DraftSession]:
+    """The draft replica's session a proposer drafts in (none for those that read the history)."""
+    draft = proposer.draft if isinstance(proposer, AutoProposer) else proposer
+    return [draft.session] if isinstance(draft, DraftModelProposer) else []
 
 
 def _observe(step: Step, *, first: bool, started: float) -> None:

@@ -22,6 +22,7 @@ from orchestrator.domain import DraftBlock, ModelInfo, TargetResult, TargetScore
 from orchestrator.routing import PrefixRoutes, block_keys, choose
 from tandem import metrics, sampling
 from tandem.errors import DeadlineExceeded, ReplicaRefused, ResourceExhausted, Unavailable
+from tandem.grammar import GrammarSpec, spec_to
 from tandem.models import TokenizerFile
 from tandem.security import ClientTls, aio_channel
 from tandem.server import CHANNEL_OPTIONS
@@ -251,6 +252,9 @@ class RemoteSession:
     wire_bytes: int = 0
     rebuilds: int = 0
     replica: Replica | None = None
+    # The request's grammar, and where its generated tokens begin (sent with every step).
+    grammar: GrammarSpec | None = None
+    grammar_start: int = 0
     _link: Link | None = field(default=None, repr=False)  # the channel the session opened on
     _call: Any = field(default=None, repr=False)
     # Whether every answer to the last request sent has been read: the stream is at rest, and
@@ -420,7 +424,7 @@ class DraftSession(RemoteSession):
             session_id=self.session_id, cache_position=synced,
             new_token_ids=history[synced:], num_speculative_tokens=num_speculative_tokens,
             sampling=wire.sampling_to_proto(params), max_support_size=max_support_size, seed=seed,
-            draft_ahead_tokens=ahead))
+            draft_ahead_tokens=ahead, grammar=spec_to(self.grammar), grammar_start_position=self.grammar_start))
         dists = tuple(wire.distribution_from_proto(d) for d in response.distributions)
         probs = tuple(d.probs[d.token_ids.index(t)] for t, d in zip(response.token_ids, dists))
         return DraftBlock(tuple(response.token_ids), dists, probs, response.cache_length,
@@ -433,13 +437,23 @@ class DraftSession(RemoteSession):
 class TargetSession(RemoteSession):
     # A proposer the target runs itself ("lookahead", "medusa"); "": none.
     proposer: str = ""
+    top_logprobs: int | None = None  # each scored row's log-probabilities and its top N (None: none)
+
+    def _constrain(self, request: target_pb2.ScoreBlocksRequest) -> target_pb2.ScoreBlocksRequest:
+        """The request's grammar and log-probabilities, on a step's request."""
+        if self.grammar is not None:
+            request.grammar.CopyFrom(spec_to(self.grammar))
+            request.grammar_start_position = self.grammar_start
+        if self.top_logprobs is not None:
+            request.top_logprobs = self.top_logprobs
+        return request
 
     async def score(self, history: list[int], block: DraftBlock,
                     params: sampling.SamplingParams, seed: int) -> TargetResult:
         """Score `block`, or with `proposer` set, have the target propose and verify a tree:
         TargetScores, or TreeCommit."""
-        response = await self._step("ScoreBlocks", lambda synced: wire.score_request_to_proto(
-            self.session_id, synced, history[synced:], block, self.proposer, params, seed))
+        response = await self._step("ScoreBlocks", lambda synced: self._constrain(wire.score_request_to_proto(
+            self.session_id, synced, history[synced:], block, self.proposer, params, seed)))
         if self.proposer:
             return self._result(response, "target_proposal step", TreeCommit)
         return self._result(response, "draft_proposal step", TargetScores)
@@ -468,8 +482,8 @@ class TargetSession(RemoteSession):
 
         def build(synced: int) -> target_pb2.ScoreBlocksRequest:
             left[0] = end - len(history)
-            return wire.decode_request_to_proto(self.session_id, synced, history[synced:], params, seed,
-                                                left[0], stop_token_ids)
+            return self._constrain(wire.decode_request_to_proto(
+                self.session_id, synced, history[synced:], params, seed, left[0], stop_token_ids))
 
         async with contextlib.aclosing(self._stream("ScoreBlocks", build)) as answers:
             async for response in answers:

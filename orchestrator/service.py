@@ -64,6 +64,7 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
                 if isinstance(event, Delta):
                     choice.token_ids.extend(event.token_ids)
                     choice.text += event.text
+                    choice.logprobs.extend(wire.logprobs_to_proto(event.logprobs))
                 else:
                     summary = wire.summary_to_proto(event)
                     choice.finish_reason = summary.finish_reason
@@ -71,4 +72,4 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         first = choices[0]
         return orchestrator_pb2.GenerateUnaryResponse(
             text=first.text, token_ids=first.token_ids, finish_reason=first.finish_reason, usage=first.usage,
-            choices=choices if len(choices) > 1 else ())
+            choices=choices if len(choices) > 1 else (), logprobs=first.logprobs)

@@ -15,17 +15,19 @@ from typing import TypeVar
 
 import torch
 
+from orchestrator.constraint import NO_CONSTRAINT, Constraint, step_logprobs
 from orchestrator.domain import (
     EMPTY_BLOCK,
     Generation,
     Step,
     TargetResult,
     TreeCommit,
+    one_hot_block,
 )
 from orchestrator.policy import CostModel, Speculation
 from orchestrator.proposers import Proposer
 from orchestrator.remote import TargetSession
-from orchestrator.suffix import NO_PROPOSAL
+from orchestrator.suffix import NO_PROPOSAL, Proposal
 from tandem import sampling
 
 A = TypeVar("A")
@@ -47,7 +49,7 @@ async def _both(a: Awaitable[A], b: Awaitable[B]) -> tuple[A, B]:
 
 
 async def speculate(gen: Generation, proposer: Proposer | None, target: TargetSession,
-                    costs: CostModel) -> AsyncIterator[Step]:
+                    costs: CostModel, constraint: Constraint = NO_CONSTRAINT) -> AsyncIterator[Step]:
     """Yield what each step committed until max_new_tokens or EOS.
 
     `proposer` drafts blocks here (a draft model, prompt lookup); with None the target
@@ -57,6 +59,9 @@ async def speculate(gen: Generation, proposer: Proposer | None, target: TargetSe
     before looking again (`Speculation.plain_run`): no round trip per token either. A
     proposer with free proposals (suffix, auto) offers one before each step; the step takes
     it when its expected tokens per millisecond beat the model's k (`Speculation.free_length`).
+    Under a grammar (`constraint`), what it forces is committed with no model call (or, where
+    the request wants log-probabilities, verified as a free proposal), and proposals are cut
+    where it forbids them (orchestrator/constraint.py).
     """
     history = list(gen.prompt_token_ids)
     run = (target.decode(history, gen.sampling, gen.seed, len(history) + gen.max_new_tokens, gen.eos_token_ids)
@@ -72,17 +77,33 @@ async def speculate(gen: Generation, proposer: Proposer | None, target: TargetSe
     try:
         while generated < gen.max_new_tokens:
             remaining = gen.max_new_tokens - generated
+            forced = constraint.forced(history, remaining) if run is None else []
+            if run is None and constraint.dead_end(history):
+                yield Step([], False, dead_end=True)
+                return
+            if forced and gen.top_logprobs is None:  # known without a model: no call at all
+                eos_at = next((i for i, t in enumerate(forced) if t in gen.eos_token_ids), None)
+                forced = forced[:len(forced) if eos_at is None else eos_at + 1]
+                history += forced
+                generated += len(forced)
+                yield Step(forced, eos_at is not None, accepted=len(forced), drafted=len(forced),
+                           proposer="grammar", target_passes=0)
+                if eos_at is not None:
+                    return
+                continue
             target_seed = int(torch.randint(0, 2**62, (1,), generator=rng)) if run is None else 0  # a run keys its own
             started = time.perf_counter()
             prefill, target_synced = target.synced == 0, target.synced
             lag = proposer.lag(len(history)) if proposer is not None else 0
             k = policy.choose(remaining, prefill, lag) if run is None else 0  # a run goes on to its end
-            free = NO_PROPOSAL
-            if run is None and proposer is not None and proposer.free_proposals and not prefill:
-                free = proposer.free(history, min(gen.max_free_tokens, remaining - 1))
+            free, free_kind = NO_PROPOSAL, ""
+            if forced:  # the request wants log-probabilities: a pass verifies what is forced
+                free, free_kind, k = Proposal(one_hot_block(forced, 0.0)), "grammar", 0
+            elif run is None and proposer is not None and proposer.free_proposals and not prefill:
+                free = constraint.cut_free(history, proposer.free(history, min(gen.max_free_tokens, remaining - 1)))
                 free = free.cut(policy.free_length(free.probabilities, k, lag, remaining))
                 if free.block.token_ids:
-                    k, free_run = 0, 1
+                    k, free_run, free_kind = 0, 1, "suffix"
                 else:
                     free = NO_PROPOSAL
             if run is None and proposer is not None and k == 0 and not prefill and remaining > 1 \
@@ -127,7 +148,8 @@ async def speculate(gen: Generation, proposer: Proposer | None, target: TargetSe
                     target.score(history, EMPTY_BLOCK, gen.sampling, target_seed))
                 answered = time.perf_counter()
             else:
-                block = await proposer.get_candidates(history, k, gen.sampling, gen.seed, ahead=k)
+                block = constraint.cut_block(history, await proposer.get_candidates(
+                    history, k, gen.sampling, gen.seed, ahead=k))
                 called = time.perf_counter()
                 wait_ms = (called - started) * 1000.0
                 result = await target.score(history, block, gen.sampling, target_seed)
@@ -143,9 +165,9 @@ async def speculate(gen: Generation, proposer: Proposer | None, target: TargetSe
                 new, drafted = sampling.commit(block.token_ids, result.scored, accepted), len(block.token_ids)
                 rejected = int(accepted < drafted)
 
-            if free.block.token_ids:
+            if free_kind == "suffix":
                 policy.observe_free(free.expected, accepted)
-            elif proposer is not None:
+            elif proposer is not None and not free_kind:
                 proposer.update_candidate_strategy(block, accepted, len(history))
             target.advance(result.cache_length, len(history) + accepted)
             ended = time.perf_counter()
@@ -159,8 +181,11 @@ async def speculate(gen: Generation, proposer: Proposer | None, target: TargetSe
                                step_ms, len(history) - target_synced + len(block.token_ids), result.load,
                                fed=lag)
 
+            dead_end = constraint.allowed(history, new) < len(new)  # the grammar failed on the way
+            new = new[:constraint.allowed(history, new)]
             eos_at = next((i for i, t in enumerate(new) if t in gen.eos_token_ids), None)
             new = new[: remaining if eos_at is None else min(eos_at + 1, remaining)]
+            logprobs = step_logprobs(result, accepted, new)
             history += new
             generated += len(new)
             finished_by_eos = eos_at is not None and eos_at < len(new)
@@ -171,8 +196,8 @@ async def speculate(gen: Generation, proposer: Proposer | None, target: TargetSe
                        draft_hit=None if block.prebuilt < 0 or not block.token_ids else block.ahead_hit,
                        target_call_ms=(answered - called) * 1000.0, cycle_ms=cycle_ms, draft_split=block.split,
                        target_split=result.split, draft_cached=block.cached, target_cached=result.cached,
-                       proposer="suffix" if free.block.token_ids else "")
-            if finished_by_eos:
+                       proposer=free_kind, logprobs=logprobs, dead_end=dead_end)
+            if finished_by_eos or dead_end:
                 return
     finally:
         if run is not None:

@@ -20,11 +20,13 @@ from orchestrator.domain import (
     Summary,
     TargetResult,
     TargetScores,
+    TokenLogprob,
     TreeCommit,
     Usage,
 )
 from tandem import sampling
 from tandem.errors import InvalidRequest
+from tandem.grammar import spec_from
 from tandem.models import TokenizerFile
 from tandem.split import split_from_proto, split_to_proto
 from tandem.v1 import common_pb2, orchestrator_pb2, target_pb2
@@ -123,7 +125,11 @@ def target_result_from_proto(proto: target_pb2.ScoreBlocksResponse) -> TargetRes
                         proto.queue_depth_count) if proto.batch_session_count else None
         return TargetScores(sampling.ScoredBlock(tuple(scores.target_probs),
                                                  tuple(scores.recovered_token_ids),
-                                                 scores.bonus_token_id),
+                                                 scores.bonus_token_id,
+                                                 tuple(sampling.RowLogprobs(r.drafted_logprob, r.drawn_logprob,
+                                                                            tuple(r.top_token_ids),
+                                                                            tuple(r.top_logprobs))
+                                                       for r in scores.logprobs)),
                             proto.cache_length, proto.compute_ms, load, split_from_proto(proto.pass_split),
                             proto.cached_token_count)
     if kind == "verified_tree":
@@ -152,12 +158,15 @@ def request_from_proto(request: orchestrator_pb2.GenerateRequest
         num_speculative_tokens=(request.num_speculative_tokens
                                 if request.HasField("num_speculative_tokens") else None),
         stop_strings=tuple(request.stop_strings), ignore_eos=request.ignore_eos,
-        proposer=proposer_from_proto(request.proposer), n=request.n or 1)
+        proposer=proposer_from_proto(request.proposer), n=request.n or 1,
+        grammar=spec_from(request.grammar),
+        logprobs=request.logprobs if request.HasField("logprobs") else None)
 
 
 _FINISH_REASONS = {FinishReason.LENGTH: orchestrator_pb2.FINISH_REASON_LENGTH,
                    FinishReason.EOS: orchestrator_pb2.FINISH_REASON_EOS,
-                   FinishReason.STOP_STRING: orchestrator_pb2.FINISH_REASON_STOP_STRING}
+                   FinishReason.STOP_STRING: orchestrator_pb2.FINISH_REASON_STOP_STRING,
+                   FinishReason.GRAMMAR_DEAD_END: orchestrator_pb2.FINISH_REASON_GRAMMAR_DEAD_END}
 
 
 def finish_reason_to_proto(reason: FinishReason) -> orchestrator_pb2.FinishReason:
@@ -176,13 +185,19 @@ def usage_to_proto(usage: Usage, wire_bytes: int, total_ms: float) -> orchestrat
         draft_passes=split_to_proto(usage.draft_passes), target_passes=split_to_proto(usage.target_passes),
         orchestrator_ms=usage.orchestrator_ms, replica_wire_ms=usage.replica_wire_ms,
         target_cached_tokens=usage.target_cached_tokens, draft_cached_tokens=usage.draft_cached_tokens,
-        suffix_drafted_tokens=usage.suffix_drafted_tokens, suffix_accepted_tokens=usage.suffix_accepted_tokens)
+        suffix_drafted_tokens=usage.suffix_drafted_tokens, suffix_accepted_tokens=usage.suffix_accepted_tokens,
+        grammar_forced_tokens=usage.grammar_forced_tokens)
+
+
+def logprobs_to_proto(logprobs: tuple[TokenLogprob, ...]) -> list[orchestrator_pb2.TokenLogprob]:
+    return [orchestrator_pb2.TokenLogprob(token_id=t.token_id, logprob=t.logprob, top_token_ids=t.top_token_ids,
+                                          top_logprobs=t.top_logprobs) for t in logprobs]
 
 
 def delta_to_proto(delta: Delta) -> orchestrator_pb2.GenerateResponse:
     return orchestrator_pb2.GenerateResponse(
         delta=orchestrator_pb2.TokenDelta(token_ids=delta.token_ids, text=delta.text,
-                                          choice_index=delta.choice))
+                                          choice_index=delta.choice, logprobs=logprobs_to_proto(delta.logprobs)))
 
 
 def summary_to_proto(summary: Summary) -> orchestrator_pb2.GenerationSummary:

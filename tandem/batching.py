@@ -81,6 +81,24 @@ Reduce = Callable[["PassOutput"], Any]
 
 
 @dataclass(frozen=True, eq=False)
+class Reads:
+    """What a step reads of its pass's kept rows; the runner picks its path from it."""
+
+    argmax: bool = False  # greedy scoring: each row's argmax, where nothing below needs more
+    masks: torch.Tensor | None = None  # [rows, vocab] bool: the tokens a grammar allows at each row
+    top_logprobs: int | None = None  # each row's log-probabilities and its top N (None: none)
+
+    @property
+    def argmax_only(self) -> bool:
+        """Each row's argmax is all the step reads: a runner whose head reads it slice by slice
+        (tandem.head) keeps no logits then (`PassOutput.logits` is None, `best` is set)."""
+        return self.argmax and self.masks is None and self.top_logprobs is None
+
+
+ALL_ROWS = Reads()
+
+
+@dataclass(frozen=True, eq=False)
 class Pass:
     """One session's part of a forward pass."""
 
@@ -90,9 +108,7 @@ class Pass:
     logits_to_keep: int = 1  # the last rows over token_ids (then every segment row)
     segment: Segment = EMPTY_SEGMENT  # [t] scored after token_ids, then forgotten
     with_hidden: bool = False  # the last hidden states at the same rows
-    # The step reads each kept row's argmax alone (`PassOutput.best`): a runner whose head reads
-    # it slice by slice (tandem.head) then keeps no logits (`PassOutput.logits` is None).
-    greedy: bool = False
+    reads: Reads = ALL_ROWS  # what the step reads of the kept rows
     reduce: Reduce | None = None  # what the step reads of the logits (PassOutput.value)
     # A run of passes (a decode run): called on the forward worker with this pass's output, it
     # names the session's next pass, queued at once (behind passes already waiting, as any
@@ -120,7 +136,7 @@ def finish(p: Pass, logits: torch.Tensor | None, hidden: torch.Tensor | None,
            best: torch.Tensor | None = None) -> PassOutput:
     """A pass's output: its rows (or, greedy, their argmax), and what its step reads of them
     (`Pass.reduce`)."""
-    if p.greedy and best is None:
+    if p.reads.argmax_only and best is None:
         assert logits is not None
         best = sampling.argmax(logits.to(torch.float32))
     out = PassOutput(logits, hidden, best)
@@ -240,7 +256,7 @@ def single(model: CausalLM, p: Pass, head: Any = None) -> PassOutput:
     model's `tandem.head.VocabChunks`, where installed."""
     p.session.extend(p.cache_position, p.token_ids)
     if not p.segment.token_ids and not p.with_hidden:
-        if p.greedy and head is not None:
+        if p.reads.argmax_only and head is not None:
             return finish(p, None, None, forward_best(p.session, model, head, list(p.token_ids), p.logits_to_keep))
         return finish(p, forward(p.session, model, list(p.token_ids), p.logits_to_keep), None)
     assert p.logits_to_keep == 1, "a pass with a segment or hidden states keeps one history row"
@@ -283,7 +299,7 @@ def batched(model: CausalLM, passes: list[Pass], window: int | None,
         caches.append(DynamicCache())
     batch = BatchCache(caches, Layout(tuple(layout), window))
     with_hidden = any(p.with_hidden for p in passes)
-    sliced = head is not None and not with_hidden and any(p.greedy for p in passes)
+    sliced = head is not None and not with_hidden and any(p.reads.argmax_only for p in passes)
     spans: list[tuple[int, int]] = []
     for p in passes:
         start = spans[-1][1] if spans else 0
@@ -323,13 +339,13 @@ def _read_sliced(head: Any, states: torch.Tensor, passes: list[Pass],
     through one sliced argmax (the head's weight read once for them all), the other passes'
     rows through the whole head."""
     def read(greedy: bool, through: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[torch.Tensor]:
-        mine = [(a, b) for p, (a, b) in zip(passes, spans, strict=True) if p.greedy == greedy]
+        mine = [(a, b) for p, (a, b) in zip(passes, spans, strict=True) if p.reads.argmax_only == greedy]
         if not mine:
             return iter(())
         out = through(states[[i for a, b in mine for i in range(a, b)]])
         return iter(torch.split(out, [b - a for a, b in mine]))
     best, logits = read(True, head.argmax), read(False, head)
-    return [(None, next(best)) if p.greedy else (next(logits), None) for p in passes]
+    return [(None, next(best)) if p.reads.argmax_only else (next(logits), None) for p in passes]
 
 
 def batching_refusal(model: CausalLM) -> str | None:

@@ -77,11 +77,13 @@ class TandemClient:
                  seed: int | None = None, num_speculative_tokens: int | None = None,
                  stop: list[str] | None = None, ignore_eos: bool = False,
                  proposer: str | None = None, timeout: float | None = None,
-                 n: int = 1) -> orchestrator_pb2.GenerateUnaryResponse:
-        """The whole generation in one reply (with n > 1, every choice in `choices`)."""
+                 n: int = 1, grammar: common_pb2.Grammar | None = None,
+                 logprobs: int | None = None) -> orchestrator_pb2.GenerateUnaryResponse:
+        """The whole generation in one reply (with n > 1, every choice in `choices`); under
+        `grammar` (structured output), with `logprobs` (each token's, and the top N)."""
         request = orchestrator_pb2.GenerateUnaryRequest(**self._fields(
             prompt, max_new_tokens, temperature, top_p, top_k, seed, num_speculative_tokens, stop,
-            ignore_eos, proposer), n=n)
+            ignore_eos, proposer), n=n, grammar=grammar, logprobs=logprobs)
         reply: orchestrator_pb2.GenerateUnaryResponse = self._stub.GenerateUnary(
             request, timeout=timeout, metadata=self._metadata)
         return reply

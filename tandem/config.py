@@ -21,6 +21,8 @@ MAX_BLOCK_TOKENS = 64
 MAX_SUPPORT_SIZE = 1024
 # The most stop token ids a target's decode run carries (a model's end-of-sequence ids).
 MAX_STOP_TOKENS = 64
+# The most top tokens a step returns log-probabilities for, per position (OpenAI allows 20).
+MAX_TOP_LOGPROBS = 20
 
 
 def option(default: Any, help: str) -> Any:

@@ -9,6 +9,7 @@ ends, however it ends.
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import logging
 import os
@@ -25,6 +26,7 @@ from transformers import AutoConfig, AutoTokenizer, DynamicCache
 from tandem import batching, decode_graph, head, host, llama, matmul, models, parallel, topology
 from tandem.config import option
 from tandem.errors import BudgetHeld, InvalidRequest, Unavailable
+from tandem.grammar import Grammars, GrammarState, spec_from
 from tandem.kv import KVSession, SessionTable, copy_cache, fork_cache, free_cache
 from tandem.lm import Capabilities, CausalLM
 from tandem.metrics import ReplicaMetrics
@@ -216,6 +218,7 @@ class ModelHost:
         self.failure: BaseException | None = None
         self.info: common_pb2.ModelInfo | None = None
         self.tokenizer: Any = None
+        self.grammars: Grammars | None = None  # the requests' grammars, from the first one
         self.sessions = SessionTable(config.max_sessions, config.kv_budget_tokens)
         # Why sessions cannot share a pass, found on the float weights before a quantized model
         # is served (otherwise the probe finds it out on the served model).
@@ -514,6 +517,29 @@ class ModelHost:
         if isinstance(self.model, parallel.Lockstep):
             self.model.stop()
             self.model.group.close()
+
+    async def grammar_for(self, request: Any, session: KVSession, history: list[int]) -> GrammarState | None:
+        """The session's grammar state after `history`, where the step names a grammar (kept
+        with the session, rolled back with its cache, rebuilt from the history when lost)."""
+        spec = spec_from(request.grammar)
+        if spec is None:
+            session.states.pop(GrammarState)
+            return None
+        assert self.info is not None
+        start = request.grammar_start_position
+        if start > len(history):
+            raise InvalidRequest(f"grammar_start_position {start} is past the history's {len(history)} tokens")
+        if self.grammars is None:
+            self.grammars = Grammars(self.tokenizer, self.info.vocab_size, list(self.info.eos_token_ids))
+        await asyncio.to_thread(self.grammars.warm)  # the tokenizer's byte view: seconds, once
+        state = session.states.get(GrammarState)
+        if state is None or state.spec != spec or state.start != start:
+            state = self.grammars.state(spec, start)
+            session.states.put(state)
+        if state.follow(history) < len(history) - start:
+            raise InvalidRequest(f"the history breaks the grammar at position {start + len(state.consumed)}"
+                                 f" ({state.failed or 'a token it does not allow'})")
+        return state
 
     def ready_model(self) -> CausalLM:
         if self.model is None:

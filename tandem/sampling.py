@@ -26,7 +26,7 @@ token is kept iff it is the target's argmax, and the recovered token is the argm
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -62,12 +62,24 @@ class SparseDistribution:
 
 
 @dataclass(frozen=True)
+class RowLogprobs:
+    """One scored row's log-probabilities under the model itself: its log-softmax, before
+    temperature, top-k, top-p and any grammar (what vLLM returns by default)."""
+
+    drafted: float  # the drafted token's at this row (0.0 at the bonus row, which has none)
+    drawn: float  # the recovered (or, at the bonus row, the bonus) token's
+    top_token_ids: tuple[int, ...]  # the row's most likely tokens, most likely first
+    top_logprobs: tuple[float, ...]
+
+
+@dataclass(frozen=True)
 class ScoredBlock:
     """What the target contributes to one verification step."""
 
     target_probs: tuple[float, ...]  # p_i(x_i) for each drafted token
     recovered_token_ids: tuple[int, ...]  # one per drafted position
     bonus_token_id: int
+    logprobs: tuple[RowLogprobs, ...] = ()  # one per row (k + 1), where the step asked for them
 
 
 def validate(params: SamplingParams) -> None:
@@ -267,14 +279,44 @@ def score_logits(
     draft_token_ids: list[int],  # [k]
     draft_distributions: list[SparseDistribution],  # [k]
     seed: int,
+    masks: torch.Tensor | None = None,  # [k+1, vocab] bool: the tokens a grammar allows at each row
+    top_logprobs: int | None = None,  # the rows' log-probabilities, with their top N (None: none)
 ) -> ScoredBlock:
     """`score_block` of the request's `probabilities`, where the logits are. Greedy needs only
     each row's argmax: p is one-hot there, so p(x_i) is 1 or 0 and every recovered and bonus
-    draw is the argmax, which is what the one-hot rows give, without building them."""
+    draw is the argmax, which is what the one-hot rows give, without building them.
+
+    Under a grammar p is the target's law masked to what the grammar allows and renormalised:
+    the forbidden logits are -inf before temperature, top-k and top-p, as a logits processor
+    sets them (a row must allow at least one token)."""
+    raw = logits
+    if masks is not None:
+        logits = logits.to(_F32).masked_fill(~masks.to(logits.device), -math.inf)
     if params.greedy:
-        return score_greedy(argmax(logits), draft_token_ids)
-    return score_block(probabilities(logits, params), draft_token_ids, draft_distributions,
-                       generator(seed, logits.device))
+        scored = score_greedy(argmax(logits), draft_token_ids)
+    else:
+        scored = score_block(probabilities(logits, params), draft_token_ids, draft_distributions,
+                             generator(seed, logits.device))
+    if top_logprobs is None:
+        return scored
+    drawn = [*scored.recovered_token_ids, scored.bonus_token_id]
+    return replace(scored, logprobs=row_logprobs(raw, draft_token_ids, drawn, top_logprobs))
+
+
+def row_logprobs(logits: torch.Tensor, draft_token_ids: list[int], drawn_token_ids: list[int],
+                 top: int) -> tuple[RowLogprobs, ...]:
+    """Each row's log-softmax at its drafted token, at its drawn token and at its `top` most
+    likely tokens, from logits [k+1, vocab]."""
+    logprobs = torch.log_softmax(logits.to(_F32), dim=-1)
+    rows = torch.arange(logprobs.shape[0], device=logprobs.device)
+    drafted = host.values(logprobs[rows[:-1], torch.tensor(draft_token_ids, dtype=torch.long, device=logprobs.device)]
+                          ) if draft_token_ids else []
+    drawn = host.values(logprobs[rows, torch.tensor(drawn_token_ids, dtype=torch.long, device=logprobs.device)])
+    best = torch.topk(logprobs, min(top, logprobs.shape[-1]), dim=-1) if top else None
+    return tuple(RowLogprobs(drafted=float(drafted[i]) if i < len(drafted) else 0.0, drawn=float(drawn[i]),
+                             top_token_ids=tuple(host.values(best.indices[i])) if best is not None else (),
+                             top_logprobs=tuple(float(v) for v in host.values(best.values[i])) if best is not None else ())
+                 for i in range(logprobs.shape[0]))
 
 
 def score_greedy(best: torch.Tensor, draft_token_ids: list[int]) -> ScoredBlock:

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem import sampling
-from tandem.batching import Forward, Pass, PassOutput
+from tandem.batching import Forward, Pass, PassOutput, Reads
+from tandem.grammar import GrammarState
 from tandem.kv import KVSession
 from tandem.model_service import Step
 from target_service.candidates import NO_CANDIDATES, TargetProposer
@@ -30,13 +31,29 @@ class VerifiedStep:
 
 
 def block_scores(out: PassOutput, params: sampling.SamplingParams, draft_token_ids: list[int],
-           draft_distributions: list[sampling.SparseDistribution], seed: int) -> sampling.ScoredBlock:
-    """A scoring pass's block scores: from each row's argmax (a greedy pass, `Pass.greedy`) or
-    from its logits."""
+                 draft_distributions: list[sampling.SparseDistribution], seed: int,
+                 reads: Reads) -> sampling.ScoredBlock:
+    """A scoring pass's block scores: from each row's argmax (`Reads.argmax_only`) or from its
+    logits, under the grammar's masks and with the log-probabilities `reads` names."""
     if out.best is not None:
         return sampling.score_greedy(out.best, draft_token_ids)
     assert out.logits is not None
-    return sampling.score_logits(out.logits, params, draft_token_ids, draft_distributions, seed)
+    return sampling.score_logits(out.logits, params, draft_token_ids, draft_distributions, seed,
+                                 reads.masks, reads.top_logprobs)
+
+
+def reads_for(params: sampling.SamplingParams, grammar: GrammarState | None, block: list[int],
+              top_logprobs: int | None) -> Reads:
+    """What a scoring pass of `block` reads: under a grammar, the mask of every row (the state
+    after the history, then after each drafted token)."""
+    masks = None
+    if grammar is not None:
+        masks, _ = grammar.masks(block)
+        # A row that allows nothing (the grammar failed there) is read only if the step's
+        # tokens before it are kept, and the orchestrator ends the reply at that point; it
+        # must not make the row NaN meanwhile.
+        masks[~masks.any(-1)] = True
+    return Reads(argmax=params.greedy, masks=masks, top_logprobs=top_logprobs)
 
 
 async def score_block(
@@ -47,19 +64,23 @@ async def score_block(
     draft_distributions: list[sampling.SparseDistribution],  # [k]
     params: sampling.SamplingParams,
     seed: int,
+    grammar: GrammarState | None = None,
+    top_logprobs: int | None = None,
 ) -> ScoredStep:
     """Append the step's tokens and the draft block in one forward pass; score the block.
 
     The last k+1 positions give p for each drafted token and for the bonus position,
-    under the request's own sampling parameters.
+    under the request's own sampling parameters (and grammar, at the history `grammar`
+    follows).
     """
     k = len(draft_token_ids)
+    reads = reads_for(params, grammar, draft_token_ids, top_logprobs)
 
     def score(out: PassOutput) -> sampling.ScoredBlock:
-        return block_scores(out, params, draft_token_ids, draft_distributions, seed)
+        return block_scores(out, params, draft_token_ids, draft_distributions, seed, reads)
 
     out = await forward(Pass(session, step.cache_position, (*step.new_token_ids, *draft_token_ids),
-                             logits_to_keep=k + 1, greedy=params.greedy, reduce=score))
+                             logits_to_keep=k + 1, reads=reads, reduce=score))
     return ScoredStep(scored=out.value, cache_length=session.length)
 
 
@@ -122,10 +143,12 @@ async def decode_run(
     seed: int,  # the request's: the token at position p is drawn with position_seed(seed, p)
     max_tokens: int,
     stop_token_ids: frozenset[int],
+    grammar: GrammarState | None = None,
+    top_logprobs: int | None = None,
 ) -> AsyncGenerator[tuple[ScoredStep, float], None]:
     """Decode up to `max_tokens` tokens with the target alone, yielding each as it is drawn
     (the bonus token of a block of none) with the ms since the one before; the run ends after
-    a stop token.
+    a stop token. Under a grammar (following the history), each draw is masked by it.
 
     Each token is one pass through the scheduler, so other sessions' passes share it as they
     would a plain step's; but the next pass is named on the forward worker as soon as a token
@@ -138,18 +161,23 @@ async def decode_run(
 
     def token(position: int, new: tuple[int, ...], left: int) -> Pass:
         at = position + len(new)  # where the drawn token will sit
+        reads = reads_for(params, grammar, [], top_logprobs)
 
         def score(out: PassOutput) -> sampling.ScoredBlock:
-            return block_scores(out, params, [], [], sampling.position_seed(seed, at))
+            return block_scores(out, params, [], [], sampling.position_seed(seed, at), reads)
 
-        def then(out: PassOutput) -> Pass | None:  # on the forward worker
+        def then(out: PassOutput) -> Pass | None:  # on the forward worker (the session is in its step)
             drawn = out.value.bonus_token_id
             now = time.perf_counter()
             loop.call_soon_threadsafe(news.put_nowait, (ScoredStep(out.value, at), (now - clock[0]) * 1000.0))
             clock[0] = now
+            if grammar is not None:
+                # Where the grammar fails (a parser limit), the rows go unmasked and the run on:
+                # the orchestrator, which follows the grammar too, ends the reply there.
+                grammar.take(drawn)
             return token(at, (drawn,), left - 1) if left > 1 and drawn not in stop_token_ids else None
 
-        return Pass(session, position, new, greedy=params.greedy, reduce=score, then=then)
+        return Pass(session, position, new, reads=reads, reduce=score, then=then)
 
     async def stretch(forward: Forward, first: Pass) -> None:
         await forward(first)

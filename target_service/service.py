@@ -10,7 +10,7 @@ from typing import Any
 import grpc
 
 from tandem import models, sampling
-from tandem.config import MAX_BLOCK_TOKENS, MAX_STOP_TOKENS
+from tandem.config import MAX_BLOCK_TOKENS, MAX_STOP_TOKENS, MAX_TOP_LOGPROBS
 from tandem.errors import InvalidRequest, Unavailable
 from tandem.kv import KVSession
 from tandem.model_service import ModelHost, ModelServicer, sampling_from, step_from
@@ -50,6 +50,15 @@ def draft_from(proposal: target_pb2.DraftProposal, session: KVSession
                                  "a draft samples only tokens its distribution gives mass")
         dists.append(sampling.SparseDistribution(tuple(d.token_ids), tuple(d.probs)))
     return ids, dists
+
+
+def scores_to(scored: sampling.ScoredBlock) -> target_pb2.BlockScores:
+    return target_pb2.BlockScores(
+        target_probs=scored.target_probs, recovered_token_ids=scored.recovered_token_ids,
+        bonus_token_id=scored.bonus_token_id,
+        logprobs=[target_pb2.RowLogprobs(drafted_logprob=r.drafted, drawn_logprob=r.drawn,
+                                         top_token_ids=r.top_token_ids, top_logprobs=r.top_logprobs)
+                  for r in scored.logprobs])
 
 
 class TargetService(ModelServicer, target_pb2_grpc.TargetServiceServicer):
@@ -106,8 +115,14 @@ class TargetService(ModelServicer, target_pb2_grpc.TargetServiceServicer):
             step = step_from(request, session)
             params = sampling_from(request.sampling)
             history = step.cache_position + len(step.new_token_ids)
-            step, cached = await self.host.start_step(session, step)
             kind = request.WhichOneof("proposal")
+            top_logprobs = self._top_logprobs(request, kind)
+            grammar = await self.host.grammar_for(request, session, [*session.held_tokens[:step.cache_position],
+                                                                *step.new_token_ids])
+            if grammar is not None and kind == "target_proposal":
+                raise InvalidRequest("grammar: a target_proposal (Lookahead, Medusa) verifies token trees, "
+                                     "which are not masked; send a draft_proposal or a decode_run")
+            step, cached = await self.host.start_step(session, step)
             if kind == "target_proposal":
                 proposer = self._proposer(request.target_proposal)
                 # The proposer's segment is cached during the pass, and cropped after it.
@@ -123,28 +138,36 @@ class TargetService(ModelServicer, target_pb2_grpc.TargetServiceServicer):
             elif kind == "draft_proposal":
                 ids, dists = draft_from(request.draft_proposal, session)
                 scored, ms = await self.host.run_step(session, history + len(ids), score_block,
-                                                      session, step, ids, dists, params, request.seed)
+                                                      session, step, ids, dists, params, request.seed,
+                                                      grammar, top_logprobs)
                 yield target_pb2.ScoreBlocksResponse(
                     cache_length=scored.cache_length, compute_ms=ms, **self._load(session),
-                    cached_token_count=cached,
-                    block_scores=target_pb2.BlockScores(
-                        target_probs=scored.scored.target_probs,
-                        recovered_token_ids=scored.scored.recovered_token_ids,
-                        bonus_token_id=scored.scored.bonus_token_id))
+                    cached_token_count=cached, block_scores=scores_to(scored.scored))
             elif kind == "decode_run":
                 stops = self._run_checks(request.decode_run, session, history)
                 # Closed with this stream's handler: the pass queued ahead is cancelled with it.
                 async with contextlib.aclosing(decode_run(self.host.run_step, session, step, params, request.seed,
-                                                          request.decode_run.max_tokens, stops)) as tokens:
+                                                          request.decode_run.max_tokens, stops, grammar,
+                                                          top_logprobs)) as tokens:
                     async for scored, ms in tokens:
                         yield target_pb2.ScoreBlocksResponse(
                             cache_length=scored.cache_length, compute_ms=ms, **self._load(session),
-                            cached_token_count=cached,
-                            block_scores=target_pb2.BlockScores(bonus_token_id=scored.scored.bonus_token_id))
+                            cached_token_count=cached, block_scores=scores_to(scored.scored))
                         cached = 0  # told once, on the run's first token
             else:
                 raise InvalidRequest("the step sets no proposal: send draft_proposal (with no "
                                      "tokens for a plain target step), target_proposal or decode_run")
+
+    @staticmethod
+    def _top_logprobs(request: target_pb2.ScoreBlocksRequest, kind: str | None) -> int | None:
+        if not request.HasField("top_logprobs"):
+            return None
+        if request.top_logprobs > MAX_TOP_LOGPROBS:
+            raise InvalidRequest(f"top_logprobs must be at most {MAX_TOP_LOGPROBS}, got {request.top_logprobs}")
+        if kind == "target_proposal":
+            raise InvalidRequest("top_logprobs: a target_proposal's tree is verified in the target, "
+                                 "which returns no log-probabilities for it")
+        return int(request.top_logprobs)
 
     def _run_checks(self, run: target_pb2.DecodeRun, session: KVSession, history: int) -> frozenset[int]:
         """A decode run's stop tokens, once its fields are known to be valid."""

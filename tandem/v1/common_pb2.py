@@ -24,29 +24,31 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/common.proto\x12\ttandem.v1\"C\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\"6\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"\x84\x03\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\x1a\n\x12max_context_tokens\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12&\n\tproposers\x18\x08 \x03(\x0e\x32\x13.tandem.v1.Proposer\x12\x0f\n\x07\x62oot_id\x18\t \x01(\t\x12\x0f\n\x07\x63pu_ids\x18\n \x03(\r\x12\x17\n\x0f\x61\x63\x63\x65lerator_ids\x18\x0b \x03(\t\x12\x13\n\x0bmatmul_path\x18\x0c \x01(\t\x12\'\n\npass_times\x18\r \x03(\x0b\x32\x13.tandem.v1.PassTime\x12\x0f\n\x07\x62\x61\x63kend\x18\x0e \x01(\t\x12\x31\n\x0f\x62\x61\x63kend_timings\x18\x0f \x03(\x0b\x32\x18.tandem.v1.BackendTiming\"h\n\rBackendTiming\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\'\n\npass_times\x18\x02 \x03(\x0b\x32\x13.tandem.v1.PassTime\x12\x1d\n\x15\x65xpected_tokens_per_s\x18\x03 \x01(\x01\"0\n\x08PassTime\x12\x13\n\x0btoken_count\x18\x01 \x01(\r\x12\x0f\n\x07pass_ms\x18\x02 \x01(\x01\"\x8e\x01\n\tPassSplit\x12\x16\n\x0ehost_before_ms\x18\x01 \x01(\x02\x12\x12\n\nforward_ms\x18\x02 \x01(\x02\x12\x15\n\rhost_after_ms\x18\x03 \x01(\x02\x12\x12\n\nhost_bytes\x18\x04 \x01(\x04\x12\x12\n\npass_count\x18\x05 \x01(\r\x12\x16\n\x0e\x63\x61ptured_count\x18\x06 \x01(\r\"\x15\n\x13GetModelInfoRequest\":\n\x14GetModelInfoResponse\x12\"\n\x04info\x18\x01 \x01(\x0b\x32\x14.tandem.v1.ModelInfo*\xc2\x01\n\x08Proposer\x12\x18\n\x14PROPOSER_UNSPECIFIED\x10\x00\x12\x11\n\rPROPOSER_NONE\x10\x01\x12\x18\n\x14PROPOSER_DRAFT_MODEL\x10\x02\x12\x1a\n\x16PROPOSER_PROMPT_LOOKUP\x10\x03\x12\x16\n\x12PROPOSER_LOOKAHEAD\x10\x04\x12\x13\n\x0fPROPOSER_MEDUSA\x10\x05\x12\x13\n\x0fPROPOSER_SUFFIX\x10\x06\x12\x11\n\rPROPOSER_AUTO\x10\x07\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/common.proto\x12\ttandem.v1\"C\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\"6\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"`\n\x07Grammar\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x0e\n\x04lark\x18\x04 \x01(\tH\x00\x42\x06\n\x04kind\"\x84\x03\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\x1a\n\x12max_context_tokens\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12&\n\tproposers\x18\x08 \x03(\x0e\x32\x13.tandem.v1.Proposer\x12\x0f\n\x07\x62oot_id\x18\t \x01(\t\x12\x0f\n\x07\x63pu_ids\x18\n \x03(\r\x12\x17\n\x0f\x61\x63\x63\x65lerator_ids\x18\x0b \x03(\t\x12\x13\n\x0bmatmul_path\x18\x0c \x01(\t\x12\'\n\npass_times\x18\r \x03(\x0b\x32\x13.tandem.v1.PassTime\x12\x0f\n\x07\x62\x61\x63kend\x18\x0e \x01(\t\x12\x31\n\x0f\x62\x61\x63kend_timings\x18\x0f \x03(\x0b\x32\x18.tandem.v1.BackendTiming\"h\n\rBackendTiming\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\'\n\npass_times\x18\x02 \x03(\x0b\x32\x13.tandem.v1.PassTime\x12\x1d\n\x15\x65xpected_tokens_per_s\x18\x03 \x01(\x01\"0\n\x08PassTime\x12\x13\n\x0btoken_count\x18\x01 \x01(\r\x12\x0f\n\x07pass_ms\x18\x02 \x01(\x01\"\x8e\x01\n\tPassSplit\x12\x16\n\x0ehost_before_ms\x18\x01 \x01(\x02\x12\x12\n\nforward_ms\x18\x02 \x01(\x02\x12\x15\n\rhost_after_ms\x18\x03 \x01(\x02\x12\x12\n\nhost_bytes\x18\x04 \x01(\x04\x12\x12\n\npass_count\x18\x05 \x01(\r\x12\x16\n\x0e\x63\x61ptured_count\x18\x06 \x01(\r\"\x15\n\x13GetModelInfoRequest\":\n\x14GetModelInfoResponse\x12\"\n\x04info\x18\x01 \x01(\x0b\x32\x14.tandem.v1.ModelInfo*\xc2\x01\n\x08Proposer\x12\x18\n\x14PROPOSER_UNSPECIFIED\x10\x00\x12\x11\n\rPROPOSER_NONE\x10\x01\x12\x18\n\x14PROPOSER_DRAFT_MODEL\x10\x02\x12\x1a\n\x16PROPOSER_PROMPT_LOOKUP\x10\x03\x12\x16\n\x12PROPOSER_LOOKAHEAD\x10\x04\x12\x13\n\x0fPROPOSER_MEDUSA\x10\x05\x12\x13\n\x0fPROPOSER_SUFFIX\x10\x06\x12\x11\n\rPROPOSER_AUTO\x10\x07\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PROPOSER']._serialized_start=938
-  _globals['_PROPOSER']._serialized_end=1132
+  _globals['_PROPOSER']._serialized_start=1036
+  _globals['_PROPOSER']._serialized_end=1230
   _globals['_SAMPLINGPARAMS']._serialized_start=37
   _globals['_SAMPLINGPARAMS']._serialized_end=104
   _globals['_SPARSEDISTRIBUTION']._serialized_start=106
   _globals['_SPARSEDISTRIBUTION']._serialized_end=160
-  _globals['_MODELINFO']._serialized_start=163
-  _globals['_MODELINFO']._serialized_end=551
-  _globals['_BACKENDTIMING']._serialized_start=553
-  _globals['_BACKENDTIMING']._serialized_end=657
-  _globals['_PASSTIME']._serialized_start=659
-  _globals['_PASSTIME']._serialized_end=707
-  _globals['_PASSSPLIT']._serialized_start=710
-  _globals['_PASSSPLIT']._serialized_end=852
-  _globals['_GETMODELINFOREQUEST']._serialized_start=854
-  _globals['_GETMODELINFOREQUEST']._serialized_end=875
-  _globals['_GETMODELINFORESPONSE']._serialized_start=877
-  _globals['_GETMODELINFORESPONSE']._serialized_end=935
+  _globals['_GRAMMAR']._serialized_start=162
+  _globals['_GRAMMAR']._serialized_end=258
+  _globals['_MODELINFO']._serialized_start=261
+  _globals['_MODELINFO']._serialized_end=649
+  _globals['_BACKENDTIMING']._serialized_start=651
+  _globals['_BACKENDTIMING']._serialized_end=755
+  _globals['_PASSTIME']._serialized_start=757
+  _globals['_PASSTIME']._serialized_end=805
+  _globals['_PASSSPLIT']._serialized_start=808
+  _globals['_PASSSPLIT']._serialized_end=950
+  _globals['_GETMODELINFOREQUEST']._serialized_start=952
+  _globals['_GETMODELINFOREQUEST']._serialized_end=973
+  _globals['_GETMODELINFORESPONSE']._serialized_start=975
+  _globals['_GETMODELINFORESPONSE']._serialized_end=1033
 # @@protoc_insertion_point(module_scope)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from tandem.v1 import common_pb2 as tandem_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15tandem/v1/draft.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"\xea\x01\n\x14ProposeBlocksRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x16\n\x0e\x63\x61\x63he_position\x18\x02 \x01(\r\x12\x15\n\rnew_token_ids\x18\x03 \x03(\x05\x12\x1e\n\x16num_speculative_tokens\x18\x04 \x01(\r\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x18\n\x10max_support_size\x18\x06 \x01(\r\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12\x1a\n\x12\x64raft_ahead_tokens\x18\x08 \x01(\r\"\xfc\x01\n\x15ProposeBlocksResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x34\n\rdistributions\x18\x02 \x03(\x0b\x32\x1d.tandem.v1.SparseDistribution\x12\x14\n\x0c\x63\x61\x63he_length\x18\x03 \x01(\r\x12\x12\n\ncompute_ms\x18\x04 \x01(\x02\x12\x17\n\x0fprebuilt_tokens\x18\x05 \x01(\r\x12\x11\n\tahead_hit\x18\x06 \x01(\x08\x12(\n\npass_split\x18\x07 \x01(\x0b\x32\x14.tandem.v1.PassSplit\x12\x1a\n\x12\x63\x61\x63hed_token_count\x18\x08 \x01(\r2\xb7\x01\n\x0c\x44raftService\x12V\n\rProposeBlocks\x12\x1f.tandem.v1.ProposeBlocksRequest\x1a .tandem.v1.ProposeBlocksResponse(\x01\x30\x01\x12O\n\x0cGetModelInfo\x12\x1e.tandem.v1.GetModelInfoRequest\x1a\x1f.tandem.v1.GetModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15tandem/v1/draft.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"\xaf\x02\n\x14ProposeBlocksRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x16\n\x0e\x63\x61\x63he_position\x18\x02 \x01(\r\x12\x15\n\rnew_token_ids\x18\x03 \x03(\x05\x12\x1e\n\x16num_speculative_tokens\x18\x04 \x01(\r\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x18\n\x10max_support_size\x18\x06 \x01(\r\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12\x1a\n\x12\x64raft_ahead_tokens\x18\x08 \x01(\r\x12#\n\x07grammar\x18\t \x01(\x0b\x32\x12.tandem.v1.Grammar\x12\x1e\n\x16grammar_start_position\x18\n \x01(\r\"\xfc\x01\n\x15ProposeBlocksResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x34\n\rdistributions\x18\x02 \x03(\x0b\x32\x1d.tandem.v1.SparseDistribution\x12\x14\n\x0c\x63\x61\x63he_length\x18\x03 \x01(\r\x12\x12\n\ncompute_ms\x18\x04 \x01(\x02\x12\x17\n\x0fprebuilt_tokens\x18\x05 \x01(\r\x12\x11\n\tahead_hit\x18\x06 \x01(\x08\x12(\n\npass_split\x18\x07 \x01(\x0b\x32\x14.tandem.v1.PassSplit\x12\x1a\n\x12\x63\x61\x63hed_token_count\x18\x08 \x01(\r2\xb7\x01\n\x0c\x44raftService\x12V\n\rProposeBlocks\x12\x1f.tandem.v1.ProposeBlocksRequest\x1a .tandem.v1.ProposeBlocksResponse(\x01\x30\x01\x12O\n\x0cGetModelInfo\x12\x1e.tandem.v1.GetModelInfoRequest\x1a\x1f.tandem.v1.GetModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,9 +33,9 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.v1.draft_pb2', _glob
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PROPOSEBLOCKSREQUEST']._serialized_start=61
-  _globals['_PROPOSEBLOCKSREQUEST']._serialized_end=295
-  _globals['_PROPOSEBLOCKSRESPONSE']._serialized_start=298
-  _globals['_PROPOSEBLOCKSRESPONSE']._serialized_end=550
-  _globals['_DRAFTSERVICE']._serialized_start=553
-  _globals['_DRAFTSERVICE']._serialized_end=736
+  _globals['_PROPOSEBLOCKSREQUEST']._serialized_end=364
+  _globals['_PROPOSEBLOCKSRESPONSE']._serialized_start=367
+  _globals['_PROPOSEBLOCKSRESPONSE']._serialized_end=619
+  _globals['_DRAFTSERVICE']._serialized_start=622
+  _globals['_DRAFTSERVICE']._serialized_end=805
 # @@protoc_insertion_point(module_scope)

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ProposeBlocksRequest(_message.Message):
-    __slots__ = ("session_id", "cache_position", "new_token_ids", "num_speculative_tokens", "sampling", "max_support_size", "seed", "draft_ahead_tokens")
+    __slots__ = ("session_id", "cache_position", "new_token_ids", "num_speculative_tokens", "sampling", "max_support_size", "seed", "draft_ahead_tokens", "grammar", "grammar_start_position")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     CACHE_POSITION_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,8 @@ class ProposeBlocksRequest(_message.Message):
     MAX_SUPPORT_SIZE_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     DRAFT_AHEAD_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_START_POSITION_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     cache_position: int
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -25,7 +27,9 @@ class ProposeBlocksRequest(_message.Message):
     max_support_size: int
     seed: int
     draft_ahead_tokens: int
-    def __init__(self, session_id: _Optional[str] = ..., cache_position: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., num_speculative_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_support_size: _Optional[int] = ..., seed: _Optional[int] = ..., draft_ahead_tokens: _Optional[int] = ...) -> None: ...
+    grammar: _common_pb2.Grammar
+    grammar_start_position: int
+    def __init__(self, session_id: _Optional[str] = ..., cache_position: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., num_speculative_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_support_size: _Optional[int] = ..., seed: _Optional[int] = ..., draft_ahead_tokens: _Optional[int] = ..., grammar: _Optional[_Union[_common_pb2.Grammar, _Mapping]] = ..., grammar_start_position: _Optional[int] = ...) -> None: ...
 
 class ProposeBlocksResponse(_message.Message):
     __slots__ = ("token_ids", "distributions", "cache_length", "compute_ms", "prebuilt_tokens", "ahead_hit", "pass_split", "cached_token_count")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from tandem.v1 import common_pb2 as tandem_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/target.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"\xfd\x02\n\x12ScoreBlocksRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x16\n\x0e\x63\x61\x63he_position\x18\x02 \x01(\r\x12\x15\n\rnew_token_ids\x18\x03 \x03(\x05\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12\x32\n\x0e\x64raft_proposal\x18\t \x01(\x0b\x32\x18.tandem.v1.DraftProposalH\x00\x12\x34\n\x0ftarget_proposal\x18\n \x01(\x0b\x32\x19.tandem.v1.TargetProposalH\x00\x12*\n\ndecode_run\x18\x0b \x01(\x0b\x32\x14.tandem.v1.DecodeRunH\x00\x42\n\n\x08proposalJ\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06J\x04\x08\x08\x10\tR\x0f\x64raft_token_idsR\x13\x64raft_distributionsR\x0ftarget_proposer\"7\n\tDecodeRun\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x02 \x03(\x05\"X\n\rDraftProposal\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x34\n\rdistributions\x18\x02 \x03(\x0b\x32\x1d.tandem.v1.SparseDistribution\"7\n\x0eTargetProposal\x12%\n\x08proposer\x18\x01 \x01(\x0e\x32\x13.tandem.v1.Proposer\"\xe9\x03\n\x13ScoreBlocksResponse\x12\x14\n\x0c\x63\x61\x63he_length\x18\x04 \x01(\r\x12\x12\n\ncompute_ms\x18\x05 \x01(\x02\x12\x1b\n\x13\x62\x61tch_session_count\x18\n \x01(\r\x12\x19\n\x11\x62\x61tch_token_count\x18\x0b \x01(\r\x12\x0f\n\x07pass_ms\x18\x0c \x01(\x02\x12\x19\n\x11queue_depth_count\x18\r \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x0e \x01(\x02\x12(\n\npass_split\x18\x0f \x01(\x0b\x32\x14.tandem.v1.PassSplit\x12\x1a\n\x12\x63\x61\x63hed_token_count\x18\x10 \x01(\r\x12.\n\x0c\x62lock_scores\x18\x08 \x01(\x0b\x32\x16.tandem.v1.BlockScoresH\x00\x12\x30\n\rverified_tree\x18\t \x01(\x0b\x32\x17.tandem.v1.VerifiedTreeH\x00\x42\x08\n\x06resultJ\x04\x08\x01\x10\x02J\x04\x08\x02\x10\x03J\x04\x08\x03\x10\x04J\x04\x08\x06\x10\x07J\x04\x08\x07\x10\x08R\x0ctarget_probsR\x13recovered_token_idsR\x0e\x62onus_token_idR\x13\x63ommitted_token_idsR\x14proposed_token_count\"X\n\x0b\x42lockScores\x12\x14\n\x0ctarget_probs\x18\x01 \x03(\x02\x12\x1b\n\x13recovered_token_ids\x18\x02 \x03(\x05\x12\x16\n\x0e\x62onus_token_id\x18\x03 \x01(\x05\"I\n\x0cVerifiedTree\x12\x1b\n\x13\x63ommitted_token_ids\x18\x01 \x03(\x05\x12\x1c\n\x14proposed_token_count\x18\x02 \x01(\r\"\x15\n\x13GetTokenizerRequest\"?\n\x14GetTokenizerResponse\x12\'\n\x05\x66iles\x18\x01 \x03(\x0b\x32\x18.tandem.v1.TokenizerFile\".\n\rTokenizerFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\x0c\x32\x83\x02\n\rTargetService\x12P\n\x0bScoreBlocks\x12\x1d.tandem.v1.ScoreBlocksRequest\x1a\x1e.tandem.v1.ScoreBlocksResponse(\x01\x30\x01\x12O\n\x0cGetModelInfo\x12\x1e.tandem.v1.GetModelInfoRequest\x1a\x1f.tandem.v1.GetModelInfoResponse\x12O\n\x0cGetTokenizer\x12\x1e.tandem.v1.GetTokenizerRequest\x1a\x1f.tandem.v1.GetTokenizerResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/target.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"\xee\x03\n\x12ScoreBlocksRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x16\n\x0e\x63\x61\x63he_position\x18\x02 \x01(\r\x12\x15\n\rnew_token_ids\x18\x03 \x03(\x05\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12\x32\n\x0e\x64raft_proposal\x18\t \x01(\x0b\x32\x18.tandem.v1.DraftProposalH\x00\x12\x34\n\x0ftarget_proposal\x18\n \x01(\x0b\x32\x19.tandem.v1.TargetProposalH\x00\x12*\n\ndecode_run\x18\x0b \x01(\x0b\x32\x14.tandem.v1.DecodeRunH\x00\x12#\n\x07grammar\x18\x0c \x01(\x0b\x32\x12.tandem.v1.Grammar\x12\x1e\n\x16grammar_start_position\x18\r \x01(\r\x12\x19\n\x0ctop_logprobs\x18\x0e \x01(\rH\x01\x88\x01\x01\x42\n\n\x08proposalB\x0f\n\r_top_logprobsJ\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06J\x04\x08\x08\x10\tR\x0f\x64raft_token_idsR\x13\x64raft_distributionsR\x0ftarget_proposer\"7\n\tDecodeRun\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x02 \x03(\x05\"X\n\rDraftProposal\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x34\n\rdistributions\x18\x02 \x03(\x0b\x32\x1d.tandem.v1.SparseDistribution\"7\n\x0eTargetProposal\x12%\n\x08proposer\x18\x01 \x01(\x0e\x32\x13.tandem.v1.Proposer\"\xe9\x03\n\x13ScoreBlocksResponse\x12\x14\n\x0c\x63\x61\x63he_length\x18\x04 \x01(\r\x12\x12\n\ncompute_ms\x18\x05 \x01(\x02\x12\x1b\n\x13\x62\x61tch_session_count\x18\n \x01(\r\x12\x19\n\x11\x62\x61tch_token_count\x18\x0b \x01(\r\x12\x0f\n\x07pass_ms\x18\x0c \x01(\x02\x12\x19\n\x11queue_depth_count\x18\r \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x0e \x01(\x02\x12(\n\npass_split\x18\x0f \x01(\x0b\x32\x14.tandem.v1.PassSplit\x12\x1a\n\x12\x63\x61\x63hed_token_count\x18\x10 \x01(\r\x12.\n\x0c\x62lock_scores\x18\x08 \x01(\x0b\x32\x16.tandem.v1.BlockScoresH\x00\x12\x30\n\rverified_tree\x18\t \x01(\x0b\x32\x17.tandem.v1.VerifiedTreeH\x00\x42\x08\n\x06resultJ\x04\x08\x01\x10\x02J\x04\x08\x02\x10\x03J\x04\x08\x03\x10\x04J\x04\x08\x06\x10\x07J\x04\x08\x07\x10\x08R\x0ctarget_probsR\x13recovered_token_idsR\x0e\x62onus_token_idR\x13\x63ommitted_token_idsR\x14proposed_token_count\"\x82\x01\n\x0b\x42lockScores\x12\x14\n\x0ctarget_probs\x18\x01 \x03(\x02\x12\x1b\n\x13recovered_token_ids\x18\x02 \x03(\x05\x12\x16\n\x0e\x62onus_token_id\x18\x03 \x01(\x05\x12(\n\x08logprobs\x18\x04 \x03(\x0b\x32\x16.tandem.v1.RowLogprobs\"j\n\x0bRowLogprobs\x12\x17\n\x0f\x64rafted_logprob\x18\x01 \x01(\x02\x12\x15\n\rdrawn_logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"I\n\x0cVerifiedTree\x12\x1b\n\x13\x63ommitted_token_ids\x18\x01 \x03(\x05\x12\x1c\n\x14proposed_token_count\x18\x02 \x01(\r\"\x15\n\x13GetTokenizerRequest\"?\n\x14GetTokenizerResponse\x12\'\n\x05\x66iles\x18\x01 \x03(\x0b\x32\x18.tandem.v1.TokenizerFile\".\n\rTokenizerFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\x0c\x32\x83\x02\n\rTargetService\x12P\n\x0bScoreBlocks\x12\x1d.tandem.v1.ScoreBlocksRequest\x1a\x1e.tandem.v1.ScoreBlocksResponse(\x01\x30\x01\x12O\n\x0cGetModelInfo\x12\x1e.tandem.v1.GetModelInfoRequest\x1a\x1f.tandem.v1.GetModelInfoResponse\x12O\n\x0cGetTokenizer\x12\x1e.tandem.v1.GetTokenizerRequest\x1a\x1f.tandem.v1.GetTokenizerResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,25 +33,27 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.v1.target_pb2', _glo
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SCOREBLOCKSREQUEST']._serialized_start=62
-  _globals['_SCOREBLOCKSREQUEST']._serialized_end=443
-  _globals['_DECODERUN']._serialized_start=445
-  _globals['_DECODERUN']._serialized_end=500
-  _globals['_DRAFTPROPOSAL']._serialized_start=502
-  _globals['_DRAFTPROPOSAL']._serialized_end=590
-  _globals['_TARGETPROPOSAL']._serialized_start=592
-  _globals['_TARGETPROPOSAL']._serialized_end=647
-  _globals['_SCOREBLOCKSRESPONSE']._serialized_start=650
-  _globals['_SCOREBLOCKSRESPONSE']._serialized_end=1139
-  _globals['_BLOCKSCORES']._serialized_start=1141
-  _globals['_BLOCKSCORES']._serialized_end=1229
-  _globals['_VERIFIEDTREE']._serialized_start=1231
-  _globals['_VERIFIEDTREE']._serialized_end=1304
-  _globals['_GETTOKENIZERREQUEST']._serialized_start=1306
-  _globals['_GETTOKENIZERREQUEST']._serialized_end=1327
-  _globals['_GETTOKENIZERRESPONSE']._serialized_start=1329
-  _globals['_GETTOKENIZERRESPONSE']._serialized_end=1392
-  _globals['_TOKENIZERFILE']._serialized_start=1394
-  _globals['_TOKENIZERFILE']._serialized_end=1440
-  _globals['_TARGETSERVICE']._serialized_start=1443
-  _globals['_TARGETSERVICE']._serialized_end=1702
+  _globals['_SCOREBLOCKSREQUEST']._serialized_end=556
+  _globals['_DECODERUN']._serialized_start=558
+  _globals['_DECODERUN']._serialized_end=613
+  _globals['_DRAFTPROPOSAL']._serialized_start=615
+  _globals['_DRAFTPROPOSAL']._serialized_end=703
+  _globals['_TARGETPROPOSAL']._serialized_start=705
+  _globals['_TARGETPROPOSAL']._serialized_end=760
+  _globals['_SCOREBLOCKSRESPONSE']._serialized_start=763
+  _globals['_SCOREBLOCKSRESPONSE']._serialized_end=1252
+  _globals['_BLOCKSCORES']._serialized_start=1255
+  _globals['_BLOCKSCORES']._serialized_end=1385
+  _globals['_ROWLOGPROBS']._serialized_start=1387
+  _globals['_ROWLOGPROBS']._serialized_end=1493
+  _globals['_VERIFIEDTREE']._serialized_start=1495
+  _globals['_VERIFIEDTREE']._serialized_end=1568
+  _globals['_GETTOKENIZERREQUEST']._serialized_start=1570
+  _globals['_GETTOKENIZERREQUEST']._serialized_end=1591
+  _globals['_GETTOKENIZERRESPONSE']._serialized_start=1593
+  _globals['_GETTOKENIZERRESPONSE']._serialized_end=1656
+  _globals['_TOKENIZERFILE']._serialized_start=1658
+  _globals['_TOKENIZERFILE']._serialized_end=1704
+  _globals['_TARGETSERVICE']._serialized_start=1707
+  _globals['_TARGETSERVICE']._serialized_end=1966
 # @@protoc_insertion_point(module_scope)

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ScoreBlocksRequest(_message.Message):
-    __slots__ = ("session_id", "cache_position", "new_token_ids", "sampling", "seed", "draft_proposal", "target_proposal", "decode_run")
+    __slots__ = ("session_id", "cache_position", "new_token_ids", "sampling", "seed", "draft_proposal", "target_proposal", "decode_run", "grammar", "grammar_start_position", "top_logprobs")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     CACHE_POSITION_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,9 @@ class ScoreBlocksRequest(_message.Message):
     DRAFT_PROPOSAL_FIELD_NUMBER: _ClassVar[int]
     TARGET_PROPOSAL_FIELD_NUMBER: _ClassVar[int]
     DECODE_RUN_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_START_POSITION_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     cache_position: int
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -25,7 +28,10 @@ class ScoreBlocksRequest(_message.Message):
     draft_proposal: DraftProposal
     target_proposal: TargetProposal
     decode_run: DecodeRun
-    def __init__(self, session_id: _Optional[str] = ..., cache_position: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., draft_proposal: _Optional[_Union[DraftProposal, _Mapping]] = ..., target_proposal: _Optional[_Union[TargetProposal, _Mapping]] = ..., decode_run: _Optional[_Union[DecodeRun, _Mapping]] = ...) -> None: ...
+    grammar: _common_pb2.Grammar
+    grammar_start_position: int
+    top_logprobs: int
+    def __init__(self, session_id: _Optional[str] = ..., cache_position: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., draft_proposal: _Optional[_Union[DraftProposal, _Mapping]] = ..., target_proposal: _Optional[_Union[TargetProposal, _Mapping]] = ..., decode_run: _Optional[_Union[DecodeRun, _Mapping]] = ..., grammar: _Optional[_Union[_common_pb2.Grammar, _Mapping]] = ..., grammar_start_position: _Optional[int] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
 class DecodeRun(_message.Message):
     __slots__ = ("max_tokens", "stop_token_ids")
@@ -76,14 +82,28 @@ class ScoreBlocksResponse(_message.Message):
     def __init__(self, cache_length: _Optional[int] = ..., compute_ms: _Optional[float] = ..., batch_session_count: _Optional[int] = ..., batch_token_count: _Optional[int] = ..., pass_ms: _Optional[float] = ..., queue_depth_count: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., pass_split: _Optional[_Union[_common_pb2.PassSplit, _Mapping]] = ..., cached_token_count: _Optional[int] = ..., block_scores: _Optional[_Union[BlockScores, _Mapping]] = ..., verified_tree: _Optional[_Union[VerifiedTree, _Mapping]] = ...) -> None: ...
 
 class BlockScores(_message.Message):
-    __slots__ = ("target_probs", "recovered_token_ids", "bonus_token_id")
+    __slots__ = ("target_probs", "recovered_token_ids", "bonus_token_id", "logprobs")
     TARGET_PROBS_FIELD_NUMBER: _ClassVar[int]
     RECOVERED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BONUS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     target_probs: _containers.RepeatedScalarFieldContainer[float]
     recovered_token_ids: _containers.RepeatedScalarFieldContainer[int]
     bonus_token_id: int
-    def __init__(self, target_probs: _Optional[_Iterable[float]] = ..., recovered_token_ids: _Optional[_Iterable[int]] = ..., bonus_token_id: _Optional[int] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[RowLogprobs]
+    def __init__(self, target_probs: _Optional[_Iterable[float]] = ..., recovered_token_ids: _Optional[_Iterable[int]] = ..., bonus_token_id: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[RowLogprobs, _Mapping]]] = ...) -> None: ...
+
+class RowLogprobs(_message.Message):
+    __slots__ = ("drafted_logprob", "drawn_logprob", "top_token_ids", "top_logprobs")
+    DRAFTED_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    DRAWN_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    drafted_logprob: float
+    drawn_logprob: float
+    top_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, drafted_logprob: _Optional[float] = ..., drawn_logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class VerifiedTree(_message.Message):
     __slots__ = ("committed_token_ids", "proposed_token_count")

@@ -12,7 +12,7 @@ from torch import nn
 from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from tandem import batching, head, host, matmul
-from tandem.batching import Pass, PassOutput
+from tandem.batching import Pass, PassOutput, Reads
 from tandem.head import VocabChunks
 from tandem.kv import KVSession
 
@@ -129,7 +129,7 @@ def test_greedy_passes_read_the_argmax_alone_alone_or_batched() -> None:
     for s, p in zip(sessions, prompts, strict=True):
         runner.single(Pass(s, 0, tuple(p[:-2])))
     clock = host.begin()
-    alone = runner.single(Pass(sessions[0], 3, (1, 5, 9), logits_to_keep=3, greedy=True, reduce=read_best))
+    alone = runner.single(Pass(sessions[0], 3, (1, 5, 9), logits_to_keep=3, reads=Reads(argmax=True), reduce=read_best))
     split = clock.split()
     want = full_pass(model, [3, 1, 4, 1, 5, 9])
     assert alone.logits is None and alone.value == want[-3:].argmax(-1).tolist()
@@ -139,7 +139,7 @@ def test_greedy_passes_read_the_argmax_alone_alone_or_batched() -> None:
     for wants_hidden in (False, True):
         for s, p in zip(sessions[1:], prompts[1:], strict=True):
             s.rollback(len(p) - 2)
-        outs = runner.batched([Pass(sessions[1], 2, (1, 8), logits_to_keep=2, greedy=True, reduce=read_best),
+        outs = runner.batched([Pass(sessions[1], 2, (1, 8), logits_to_keep=2, reads=Reads(argmax=True), reduce=read_best),
                                Pass(sessions[2], 1, (6, 1), logits_to_keep=2, with_hidden=wants_hidden)], ())
         greedy_want, sampled_want = full_pass(model, prompts[1])[-2:], full_pass(model, prompts[2])[-2:]
         assert outs[0].value == greedy_want.argmax(-1).tolist()
