@@ -14,7 +14,7 @@ import math
 import socket
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,8 +24,17 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from orchestrator.domain import Delta, Event, FinishReason, GenerationRequest, Summary, Usage
+from orchestrator.domain import (
+    Delta,
+    Event,
+    FinishReason,
+    GenerationRequest,
+    Summary,
+    TokenLogprob,
+    Usage,
+)
 from orchestrator.engine import Engine
+from tandem.config import MAX_TOP_LOGPROBS
 from tandem.errors import (
     DeadlineExceeded,
     InvalidRequest,
@@ -33,6 +42,7 @@ from tandem.errors import (
     TandemError,
     Unavailable,
 )
+from tandem.grammar import GrammarSpec
 from tandem.security import BearerTokenAuth, Reloading
 
 # What a request may set. Unknown fields are refused (400, naming them): a typo such as
@@ -40,9 +50,11 @@ from tandem.security import BearerTokenAuth, Reloading
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream",
                  "stream_options", "user", "logprobs", "top_k", "num_speculative_tokens",
                  "proposer", "ignore_eos", "frequency_penalty", "presence_penalty"}
-COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"}
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools",
-                               "tool_choice", "response_format"}
+# Structured output: OpenAI's response_format, and vLLM's guided_* fields (one of them).
+GRAMMAR_FIELDS = {"response_format", "guided_json", "guided_regex", "guided_grammar"}
+COMPLETION_FIELDS = COMMON_FIELDS | GRAMMAR_FIELDS | {"prompt", "echo", "suffix", "best_of"}
+CHAT_FIELDS = COMMON_FIELDS | GRAMMAR_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools",
+                                                "tool_choice"}
 # OpenAI's default; the gRPC API's default is greedy.
 DEFAULT_TEMPERATURE = 1.0
 
@@ -66,7 +78,9 @@ def _invalid(message: str, param: str | None = None) -> HttpError:
 def from_domain_error(exc: TandemError) -> HttpError:
     """The one mapping of the engine's errors to HTTP statuses (gRPC's is tandem.server's)."""
     if isinstance(exc, InvalidRequest):
-        return _invalid(str(exc))
+        # A grammar's errors start with the field the request named it in.
+        named = next((f for f in GRAMMAR_FIELDS if str(exc).startswith(f)), None)
+        return _invalid(str(exc), named)
     if isinstance(exc, ResourceExhausted):
         return HttpError(429, str(exc), "rate_limit_error", code="resource_exhausted")
     if isinstance(exc, DeadlineExceeded):
@@ -100,11 +114,11 @@ def _common(body: dict[str, Any], allowed: set[str], max_tokens_fields: tuple[st
         raise _invalid(f"unsupported field(s): {', '.join(unknown)}", unknown[0])
     if body.get("best_of", 1) != 1:
         raise _invalid("best_of is not supported (n is: every choice is returned)", "best_of")
-    if body.get("logprobs") or body.get("top_logprobs") or body.get("echo") or body.get("suffix"):
-        field = next(f for f in ("logprobs", "top_logprobs", "echo", "suffix") if body.get(f))
+    if body.get("echo") or body.get("suffix"):
+        field = next(f for f in ("echo", "suffix") if body.get(f))
         raise _invalid(f"{field} is not supported", field)
-    if body.get("tools") or body.get("tool_choice") or body.get("response_format"):
-        raise _invalid("tools and response_format are not supported", "tools")
+    if body.get("tools") or body.get("tool_choice"):
+        raise _invalid("tools are not supported (response_format with a json_schema is)", "tools")
     for penalty in ("frequency_penalty", "presence_penalty"):
         if body.get(penalty):  # they change the distribution: Tandem samples the target's own
             raise _invalid(f"{penalty} is not supported (only 0)", penalty)
@@ -137,11 +151,58 @@ def _common(body: dict[str, Any], allowed: set[str], max_tokens_fields: tuple[st
         "num_speculative_tokens": _number(body, "num_speculative_tokens", int, None, 0, 2**32 - 1),
         "stop_strings": stops, "ignore_eos": ignore_eos, "proposer": proposer,
         "n": _number(body, "n", int, 1, 1, 2**31),
+        "grammar": _grammar(body),
     }
+
+
+def _grammar(body: dict[str, Any]) -> GrammarSpec | None:
+    """The grammar a request names: response_format (json_schema, json_object; text is none),
+    or one of vLLM's guided_json, guided_regex and guided_grammar (Lark)."""
+    named = [f for f in ("response_format", "guided_json", "guided_regex", "guided_grammar") if body.get(f)]
+    if len(named) > 1:
+        raise _invalid(f"set one of {', '.join(named)}: each names a grammar", named[1])
+    if not named:
+        return None
+    field, value = named[0], body[named[0]]
+    if field == "guided_json":
+        text = value if isinstance(value, str) else json.dumps(value)
+        return GrammarSpec("json_schema", text, label=field)
+    if field in ("guided_regex", "guided_grammar"):
+        if not isinstance(value, str):
+            raise _invalid(f"{field} must be a string", field)
+        return GrammarSpec("regex" if field == "guided_regex" else "lark", value, label=field)
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return GrammarSpec("json_object", label=field)
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), (dict, bool)):
+            raise _invalid("response_format.json_schema.schema must be a JSON schema (an object)",
+                           "response_format")
+        return GrammarSpec("json_schema", json.dumps(spec["schema"]), label="response_format.json_schema.schema")
+    raise _invalid(f"response_format.type must be text, json_object or json_schema, got {json.dumps(kind)}",
+                   "response_format")
+
+
+def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
+    """How many top tokens each token's log-probability comes with (None: none asked for):
+    completions' logprobs (an integer), chat's logprobs (true) with top_logprobs."""
+    if not chat:
+        return _number(body, "logprobs", int, None, 0, MAX_TOP_LOGPROBS)  # type: ignore[no-any-return]
+    wanted = body.get("logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise _invalid("logprobs must be true or false", "logprobs")
+    top = _number(body, "top_logprobs", int, None, 0, MAX_TOP_LOGPROBS)
+    if top is not None and not wanted:
+        raise _invalid("top_logprobs needs logprobs: true", "top_logprobs")
+    return (top or 0) if wanted else None
 
 
 def completion_request(body: dict[str, Any]) -> GenerationRequest:
     fields = _common(body, COMPLETION_FIELDS, ("max_tokens",))
+    fields["logprobs"] = _logprobs(body, chat=False)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1:
         prompt = prompt[0]  # a batch of one
@@ -156,6 +217,7 @@ def completion_request(body: dict[str, Any]) -> GenerationRequest:
 def chat_request(body: dict[str, Any], template: Callable[[list[dict[str, Any]]], str]
                  ) -> GenerationRequest:
     fields = _common(body, CHAT_FIELDS, ("max_tokens", "max_completion_tokens"))
+    fields["logprobs"] = _logprobs(body, chat=True)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str)
@@ -174,6 +236,9 @@ def chat_request(body: dict[str, Any], template: Callable[[list[dict[str, Any]]]
 
 
 def finish_reason(reason: FinishReason) -> str:
+    """OpenAI's reasons; a grammar that allows no further token says so in its own."""
+    if reason is FinishReason.GRAMMAR_DEAD_END:
+        return str(reason.value)
     return "length" if reason is FinishReason.LENGTH else "stop"
 
 
@@ -209,16 +274,30 @@ class Shape:
     id_prefix: str
     chat: bool
 
-    def choice(self, text: str, reason: str | None, *, chunk: bool, first: bool = False, index: int = 0
-               ) -> dict[str, Any]:
+    def choice(self, text: str, reason: str | None, *, chunk: bool, first: bool = False, index: int = 0,
+               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         if not self.chat:
-            return {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
+            return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
         if chunk:
             delta: dict[str, Any] = {"role": "assistant", "content": text} if first else \
                 ({"content": text} if text else {})
-            return {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+            return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
         return {"index": index, "message": {"role": "assistant", "content": text},
-                "logprobs": None, "finish_reason": reason}
+                "logprobs": logprobs, "finish_reason": reason}
+
+    def logprobs(self, tokens: Sequence[TokenLogprob], text: Callable[[int], str]) -> dict[str, Any]:
+        """Tokens' log-probabilities as the endpoint writes them: chat's `content` list, or
+        completions' parallel lists (`text`: a token id's text)."""
+        if self.chat:
+            def entry(token: int, logprob: float) -> dict[str, Any]:
+                return {"token": text(token), "logprob": logprob, "bytes": list(text(token).encode())}
+            return {"content": [{**entry(t.token_id, t.logprob),
+                                 "top_logprobs": [entry(i, lp) for i, lp in zip(t.top_token_ids, t.top_logprobs,
+                                                                                strict=True)]}
+                                for t in tokens]}
+        return {"tokens": [text(t.token_id) for t in tokens], "token_logprobs": [t.logprob for t in tokens],
+                "top_logprobs": [{text(i): lp for i, lp in zip(t.top_token_ids, t.top_logprobs, strict=True)}
+                                 for t in tokens]}
 
 
 COMPLETIONS = Shape("text_completion", "text_completion", "cmpl-", chat=False)
@@ -329,16 +408,18 @@ class HttpApi:
         ident, created = shape.id_prefix + uuid.uuid4().hex, int(time.time())
         head = {"id": ident, "created": created, "model": self.model_name}
         if stream:
-            return StreamingResponse(self._sse(first, events, head, shape, include_usage, gen.n),
+            return StreamingResponse(self._sse(first, events, head, shape, include_usage, gen),
                                      media_type="text/event-stream",
                                      headers={"cache-control": "no-cache"})
         texts: list[list[str]] = [[] for _ in range(gen.n)]
+        logprobs: list[list[TokenLogprob]] = [[] for _ in range(gen.n)]
         summaries: dict[int, Summary] = {}
         try:
             event: Event | None = first
             while event is not None:
                 if isinstance(event, Delta):
                     texts[event.choice].append(event.text)
+                    logprobs[event.choice].extend(event.logprobs)
                 else:
                     summaries[event.choice] = event
                 event = await anext(events, None)
@@ -347,11 +428,21 @@ class HttpApi:
         assert len(summaries) == gen.n
         return JSONResponse({**head, "object": shape.object,
                              "choices": [shape.choice("".join(texts[i]), finish_reason(summaries[i].finish_reason),
-                                                      chunk=False, index=i) for i in range(gen.n)],
+                                                      chunk=False, index=i,
+                                                      logprobs=self._logprobs(shape, logprobs[i], gen))
+                                         for i in range(gen.n)],
                              "usage": usage_json(*(summaries[i].usage for i in range(gen.n)))})
 
+    def _logprobs(self, shape: Shape, tokens: Sequence[TokenLogprob], gen: GenerationRequest
+                  ) -> dict[str, Any] | None:
+        if gen.logprobs is None:
+            return None
+        decode = self.engine.tokenizer.decode  # an end-of-sequence token's text is "", as in the reply
+        return shape.logprobs(tokens, lambda token: str(decode([token], skip_special_tokens=True)))
+
     async def _sse(self, first: Event, events: AsyncGenerator[Event, None], head: dict[str, Any],
-                   shape: Shape, include_usage: bool, choices: int) -> AsyncIterator[bytes]:
+                   shape: Shape, include_usage: bool, gen: GenerationRequest) -> AsyncIterator[bytes]:
+        choices = gen.n
         def frame(payload: dict[str, Any]) -> bytes:
             return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 
@@ -368,8 +459,9 @@ class HttpApi:
             while event is not None:
                 i = event.choice
                 if isinstance(event, Delta):
-                    if event.text or i not in opened:
-                        yield chunk([shape.choice(event.text, None, chunk=True, first=i not in opened, index=i)])
+                    if event.text or event.logprobs or i not in opened:
+                        yield chunk([shape.choice(event.text, None, chunk=True, first=i not in opened, index=i,
+                                                  logprobs=self._logprobs(shape, event.logprobs, gen))])
                         opened.add(i)
                 else:
                     yield chunk([shape.choice("", finish_reason(event.finish_reason),

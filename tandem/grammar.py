@@ -18,6 +18,7 @@ history it is sent.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import logging
 import threading
@@ -57,6 +58,7 @@ class GrammarSpec:
 
     kind: str
     text: str = ""
+    label: str = dataclasses.field(default="", compare=False)  # how the request named it, for errors
 
     def source(self) -> str:
         """llguidance's grammar for it (InvalidRequest naming the field where it is no grammar)."""
@@ -80,8 +82,8 @@ class GrammarSpec:
 
     @property
     def field(self) -> str:
-        """What a request calls it, for errors (the HTTP front end names its own fields)."""
-        return f"grammar.{self.kind}"
+        """What the request called it, for errors (the HTTP front end names its own fields)."""
+        return self.label or f"grammar.{self.kind}"
 
 
 def token_bytes_tokenizer(tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> Any:
@@ -135,16 +137,18 @@ class Grammars:
     def compile(self, spec: GrammarSpec) -> Any:
         """A fresh matcher of `spec` (InvalidRequest where it is no grammar, or past LIMITS)."""
         with self._lock:
-            matcher = self._compiled.get(spec)
+            matcher: Any = self._compiled.get(spec)
             if matcher is None:
                 source = spec.source()
                 limits = llguidance.LLParserLimits(**LIMITS)
                 error = llguidance.LLMatcher.validate_grammar(source, self._llg_tokenizer(), limits=limits)
+                if not error:
+                    matcher = llguidance.LLMatcher(self._llg_tokenizer(), source, log_level=0, limits=limits)
+                    error = matcher.get_error() if matcher.is_error() else ""
                 if error:
-                    raise InvalidRequest(f"{spec.field}: {error.strip()[:400]} (limits: {LIMITS})")
-                matcher = llguidance.LLMatcher(self._llg_tokenizer(), source, log_level=0, limits=limits)
-                if matcher.is_error():
-                    raise InvalidRequest(f"{spec.field}: {matcher.get_error().strip()[:400]} (limits: {LIMITS})")
+                    over = any(word in error.lower() for word in ("limit", "fuel", "too large", "too big"))
+                    raise InvalidRequest(f"{spec.field}: {error.strip()[:400]}"
+                                         + (f" (the limits: {LIMITS})" if over else ""))
                 self._compiled[spec] = matcher
                 while len(self._compiled) > CACHED_GRAMMARS:
                     self._compiled.popitem(last=False)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import re
 import shutil
 import signal
 import socket
@@ -183,7 +184,11 @@ def test_stop_strings_and_seeds(client: openai.OpenAI) -> None:
     ({"best_of": 2}, "best_of"),
     ({"temperature": -1}, "temperature"),
     ({"max_tokens": 0}, "max_tokens"),
-    ({"logprobs": 3}, "logprobs"),
+    ({"logprobs": 21}, "logprobs"),  # past OpenAI's 20
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "strin"}}}},
+     "response_format"),
+    ({"guided_regex": "(unclosed"}, "guided_regex"),
+    ({"guided_regex": "[a-z]+", "response_format": {"type": "json_object"}}, "guided_regex"),
     ({"frequency_penalty": 0.5}, "frequency_penalty"),
     ({"max_token": 5}, "max_token"),
     ({"proposer": "medusa"}, None),  # the tiny target has no heads
@@ -337,3 +342,26 @@ def test_while_loading_it_is_503(tiny_target: Path) -> None:
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_structured_output_and_logprobs_over_http(client: openai.OpenAI) -> None:
+    """A regex (vLLM's guided_regex) shapes the reply; chat returns each token's log-probability
+    with its top tokens; a JSON object the tiny vocabulary cannot spell (no braces) ends at
+    once with its own finish reason, never a hang."""
+    name = model_name(client)
+    reply = client.completions.create(model=name, prompt=PROMPT, max_tokens=30, temperature=0,
+                                      logprobs=2, extra_body={"guided_regex": "(yes|no), [a-z]{2,8}\\."})
+    choice = reply.choices[0]
+    assert re.fullmatch(r"(yes|no), [a-z]{2,8}\.", choice.text), choice.text
+    assert choice.logprobs is not None and "".join(choice.logprobs.tokens or []) == choice.text
+    assert all(len(top) == 2 for top in choice.logprobs.top_logprobs or [])
+    chat = client.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=6, logprobs=True, top_logprobs=3,
+                                          extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == 6
+    assert all(t.logprob <= 0 and len(t.top_logprobs) == 3 for t in content)
+    dead = client.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=6, response_format={"type": "json_object"})
+    assert dead.choices[0].finish_reason == "grammar_dead_end"  # type: ignore[comparison-overlap]
+    assert dead.choices[0].message.content == ""
