@@ -64,12 +64,14 @@ class TandemClient:
                         temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                         seed: int | None = None, num_speculative_tokens: int | None = None,
                         stop: list[str] | None = None, ignore_eos: bool = False,
-                        proposer: str | None = None, timeout: float | None = None) -> GenerationStream:
+                        proposer: str | None = None, timeout: float | None = None,
+                        grammar: common_pb2.Grammar | None = None,
+                        logprobs: int | None = None) -> GenerationStream:
         """Stream deltas, then one summary message. Stop early with `cancel()` or by leaving a
         `with` block: that frees the request's sessions and caches at once."""
         request = orchestrator_pb2.GenerateRequest(**self._fields(
             prompt, max_new_tokens, temperature, top_p, top_k, seed, num_speculative_tokens, stop,
-            ignore_eos, proposer))
+            ignore_eos, proposer), grammar=grammar, logprobs=logprobs)
         return GenerationStream(self._stub.Generate(request, timeout=timeout, metadata=self._metadata))
 
     def generate(self, prompt: str | list[int], *, max_new_tokens: int = 256,

@@ -54,12 +54,23 @@ def continuation_logits(model_path: Path, prompt: tuple[int, ...] = tuple(PROMPT
         return continuations, model(ids).logits[:, -4:]
 
 
-def rows(model_path: Path, params: SamplingParams, prompt: tuple[int, ...] = tuple(PROMPT)) -> Rows:
+def rows(model_path: Path, params: SamplingParams, prompt: tuple[int, ...] = tuple(PROMPT),
+         masks: torch.Tensor | None = None) -> Rows:
     """The model's next-token distribution under `params` after every continuation of `prompt`
-    by up to 3 tokens."""
+    by up to 3 tokens; with `masks` [4, vocab] (a grammar's allowed tokens by position), its
+    logits masked first: the masked, renormalised law a grammar samples."""
     continuations, logits = continuation_logits(model_path, prompt)
+    if masks is not None:
+        logits = logits.masked_fill(~masks, -torch.inf)
     probs = sampling.probabilities(logits.reshape(-1, VOCAB), params).reshape(logits.shape).double()
     return {c[:n]: probs[i, n] for i, c in enumerate(continuations) for n in range(4)}
+
+
+# A grammar over the 6-token vocabulary (EOS, unk, a-d) whose masks depend on the position
+# alone: a or b, then a-c, then b-d, then only EOS. As a regex, and as masks [4, vocab].
+GRAMMAR_REGEX = "[ab][a-c][b-d]"
+GRAMMAR_MASKS = torch.tensor([[t in allowed for t in range(VOCAB)]
+                              for allowed in ({2, 3}, {2, 3, 4}, {3, 4, 5}, {0})])
 
 
 def exact_law(target: Rows) -> torch.Tensor:
@@ -75,16 +86,18 @@ def cell(tokens: list[int]) -> int:
 
 
 def sample_cells(stack: Stack, params: SamplingParams, proposer: str, samples: int = SAMPLES,
-                 usages: list[Any] | None = None, k: int = K, prompt: list[int] = PROMPT
-                 ) -> tuple[torch.Tensor, int, int]:
+                 usages: list[Any] | None = None, k: int = K, prompt: list[int] = PROMPT,
+                 grammar: Any = None) -> tuple[torch.Tensor, int, int]:
     """Cell counts of the first three tokens of `samples` seeded requests through the stack
     (8 at a time), each drafting up to `k` a step (0: the target alone), and the drafted
-    tokens accepted and drafted over all of them; `usages` gathers each request's usage."""
+    tokens accepted and drafted over all of them; `usages` gathers each request's usage.
+    `grammar` (a common_pb2.Grammar) must end the reply after three tokens: it ends with EOS."""
     with stack.client() as client:
         def draw(seed: int) -> tuple[int, int, int]:
             reply = client.generate(prompt, max_new_tokens=MAX_NEW_TOKENS, temperature=params.temperature,
                                     top_k=params.top_k, top_p=params.top_p, seed=seed,
-                                    num_speculative_tokens=k, proposer=proposer, ignore_eos=True)
+                                    num_speculative_tokens=k, proposer=proposer, ignore_eos=grammar is None,
+                                    grammar=grammar)
             usage = reply.usage
             if usages is not None:
                 usages.append(usage)

@@ -148,3 +148,50 @@ def test_the_llama_target_decodes_as_llama_cpp_does_and_speculation_parts_only_a
     parted = next((i for i, (a, b) in enumerate(zip(tokens, reference, strict=True)) if a != b), None)
     assert parted is None or gaps[parted] < 1.0, (parted, gaps)  # twice the 0.5 a logit moved
     assert usage.accepted_tokens > 0
+
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "languages"],
+          "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                         "languages": {"type": "array", "items": {"type": "string"}}}}
+
+
+def test_schema_replies_parse_validate_and_carry_the_files_logprobs(llama_stack: Stack) -> None:
+    """The built-in pair under a JSON schema, greedy and sampled, with speculation at k = 4: the
+    replies parse, have the schema's fields and types, and end by EOS; tokens were drafted and
+    accepted; each token's log-probability is llama.cpp's own log-softmax over the file (1e-2)."""
+    import grpc
+    import torch
+
+    from tandem.batching import Pass
+    from tandem.kv import KVSession
+    from tandem.v1 import common_pb2, orchestrator_pb2
+
+    tokenizer = models.load_tokenizer(models.DEFAULT_TARGET)
+    ids = list(tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Describe a fictional engineer as JSON: name, age, languages."}],
+        add_generation_prompt=True, return_dict=False))
+    grammar = common_pb2.Grammar(json_schema=json.dumps(SCHEMA))
+    with llama_stack.client() as client:
+        replies = [client.generate(ids, max_new_tokens=80, num_speculative_tokens=4, proposer="draft-model",
+                                   grammar=grammar, logprobs=2, temperature=temperature, seed=5)
+                   for temperature in (0.0, 0.8)]
+        with pytest.raises(grpc.RpcError) as bad:
+            client.generate(ids, max_new_tokens=8, grammar=common_pb2.Grammar(json_schema='{"type": 5}'))
+        assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "grammar.json_schema" in bad.value.details()
+    for reply in replies:
+        value = json.loads(reply.text)
+        assert set(value) == {"name", "age", "languages"} and isinstance(value["age"], int)
+        assert all(isinstance(v, str) for v in value["languages"])
+        assert reply.finish_reason == orchestrator_pb2.FINISH_REASON_EOS
+        assert reply.usage.accepted_tokens > reply.usage.grammar_forced_tokens > 0
+    engine = llama.LlamaEngine(str(models.find_gguf(models.DEFAULT_TARGET)), context_tokens=1024,
+                               max_batch_tokens=128, threads=1)
+    try:
+        tokens = list(replies[0].token_ids)
+        rows = engine.single(Pass(KVSession("lp", engine.vocab_size, new_cache=engine.new_cache), 0,
+                                  tuple(ids + tokens), logits_to_keep=len(tokens) + 1)).logits
+        want = torch.log_softmax(rows[:-1].float(), -1)[torch.arange(len(tokens)), torch.tensor(tokens)]
+        got = torch.tensor([t.logprob for t in replies[0].logprobs])
+        torch.testing.assert_close(got, want, atol=1e-2, rtol=0)
+    finally:
+        engine.close()

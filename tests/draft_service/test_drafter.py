@@ -106,3 +106,31 @@ def test_the_seed_is_part_of_a_draws_key(model) -> None:  # type: ignore[no-unty
     positions = range(4, 8)
     assert [draw(d, SEED, p) for d, p in zip(block.distributions, positions)] == list(block.token_ids)
     assert any(draw(d, SEED + 1, p) != t for d, p, t in zip(block.distributions, positions, block.token_ids))
+
+
+@pytest.mark.parametrize("params", [sampling.SamplingParams(temperature=0.6),
+                                    sampling.SamplingParams(temperature=1.8, top_k=8)],
+                         ids=["t0.6", "t1.8-topk8"])
+def test_the_reported_q_is_the_drafts_warped_law_and_what_it_draws_from(model, params) -> None:  # type: ignore[no-untyped-def]
+    """At a temperature other than 1, the q a block reports is the draft's own distribution
+    under the request's parameters (transformers' warpers over its logits, truncated to the
+    support), and the drafted tokens follow it: a draft that reports q at T while drawing at
+    T = 1 fails one or the other, in a second, without a service."""
+    from laws import p_value, warped_by_transformers
+    from tiny import last_logits
+
+    history, support = [3, 9, 4, 11], 1024
+    session = KVSession("s", 40)
+    draws = []
+    q = None
+    for seed in range(3000):  # the q at this position is computed once, then held by the cache
+        block = asyncio.run(propose_block(direct(model), session, history, 1, params, support, seed))
+        q = block.distributions[0] if q is None else q
+        assert block.distributions[0] == q
+        draws.append(block.token_ids[0])
+    want = warped_by_transformers(last_logits(model, history)[None], params)[0].double()
+    reported = torch.zeros_like(want)
+    reported[list(q.token_ids)] = torch.tensor(q.probs, dtype=torch.float64)
+    assert torch.allclose(reported, want, atol=1e-5)
+    counts = torch.bincount(torch.tensor(draws), minlength=want.shape[0])
+    assert p_value(counts, reported) > 1e-3

@@ -25,6 +25,8 @@ import pytest
 import torch
 from laws import (
     ALPHA,
+    GRAMMAR_MASKS,
+    GRAMMAR_REGEX,
     MAX_NEW_TOKENS,
     PARAMS_ID,
     PROMPT,
@@ -49,6 +51,7 @@ from tiny import make_medusa_heads
 from orchestrator.proposers import lookup
 from tandem import sampling
 from tandem.launch import Stack, start_stack
+from tandem.v1 import common_pb2
 
 pytestmark = pytest.mark.slow  # tens of thousands of sampled requests: minutes (CI runs it)
 
@@ -119,6 +122,17 @@ def test_speculative_sampling_matches_target_law(small_vocab: tuple[Path, Stack]
     if proposer == "draft-model":
         assert drafted >= K * SAMPLES  # every request's second step verified a 2-token block
     assert p_value(counts, law) > ALPHA
+
+
+def test_speculative_sampling_under_a_grammar_matches_the_masked_target_law(
+        small_vocab: tuple[Path, Stack]) -> None:
+    """Under a grammar the law is the target's masked and renormalised; the draft drafts under
+    the same masks and its blocks are still accepted and rejected."""
+    target, stack = small_vocab
+    counts, accepted, drafted = sample_cells(stack, T1, "draft-model",
+                                             grammar=common_pb2.Grammar(regex=GRAMMAR_REGEX))
+    assert 0 < accepted < drafted
+    assert p_value(counts, exact_law(rows(target, T1, masks=GRAMMAR_MASKS))) > ALPHA
 
 
 @pytest.mark.parametrize("params", [T1, TRUNCATED], ids=PARAMS_ID.get)
@@ -210,3 +224,59 @@ def test_law_test_catches_a_broken_rule(model_rows: dict[sampling.SamplingParams
     counts = replay(target, draft, proposer, SAMPLES,
                     **{function.__name__: mutant(function, original, replacement)})
     assert p_value(counts, exact_law(target)) < ALPHA
+
+
+# --- Under a grammar: the replay with masks, and the wrong rules it must reject ---------------
+
+def masked_replay(target: Path, draft: Path, params: sampling.SamplingParams, rule: str,
+                  trials: int = SAMPLES) -> torch.Tensor:
+    """The replay above under GRAMMAR_MASKS: the draft drafts from its masked rows; the target
+    scores with `sampling.score_logits` and the masks (rule "exact"), or with a known wrong
+    rule: "draft-only" (the target's rows left unmasked), "unrenormalised" (the target's law
+    masked after the softmax, its mass not restored)."""
+    rng = torch.Generator().manual_seed(1)
+    continuations, target_logits = continuation_logits(target)
+    logits_at = {c[:n]: target_logits[i, n] for i, c in enumerate(continuations) for n in range(4)}
+    draft_rows = rows(draft, params, masks=GRAMMAR_MASKS)
+    counts = torch.zeros(VOCAB**3, dtype=torch.long)
+    for _ in range(trials):
+        history: list[int] = []
+        while len(history) < 3:
+            k = min(K, MAX_NEW_TOKENS - len(history) - 1) if history else 0
+            drafted: list[int] = []
+            dists: list[sampling.SparseDistribution] = []
+            for _ in range(k):
+                ids, probs = sampling.truncate(draft_rows[tuple(history + drafted)].float(), VOCAB)
+                drafted.append(int(ids[sampling.sample(probs[None], rng)[0]]))
+                dists.append(sampling.SparseDistribution(tuple(ids.tolist()), tuple(probs.tolist())))
+            n = len(history)
+            logits = torch.stack([logits_at[tuple(history + drafted[:i])] for i in range(k + 1)])
+            masks = GRAMMAR_MASKS[n:n + k + 1]
+            seed = int(torch.randint(0, 2**62, (1,), generator=rng))
+            if rule == "exact":
+                scored = sampling.score_logits(logits, params, drafted, dists, seed, masks)
+            elif rule == "draft-only":
+                scored = sampling.score_logits(logits, params, drafted, dists, seed)
+            else:
+                probs = sampling.probabilities(logits, params) * masks
+                scored = sampling.score_block(probs, drafted, dists, sampling.generator(seed))
+            draft_probs = [d.probs[d.token_ids.index(x)] for d, x in zip(dists, drafted, strict=True)]
+            uniforms = torch.rand(len(drafted), generator=rng, dtype=torch.float64).tolist()
+            accepted = sampling.num_accepted(scored.target_probs, draft_probs, uniforms)
+            history += sampling.commit(drafted, scored, accepted)
+        counts[cell(history[:3])] += 1
+    return counts
+
+
+@pytest.mark.parametrize("rule", ["exact", "draft-only", "unrenormalised"])
+def test_the_law_test_under_a_grammar_passes_the_exact_rule_and_rejects_wrong_ones(
+        small_models: tuple[Path, Path], rule: str) -> None:
+    target, draft = small_models
+    law = exact_law(rows(target, TRUNCATED, masks=GRAMMAR_MASKS))
+    counts = masked_replay(target, draft, TRUNCATED, rule)
+    if rule == "exact":
+        assert p_value(counts, law) > ALPHA
+    elif rule == "draft-only":  # the unmasked target emits tokens the grammar forbids
+        assert int(counts[law == 0].sum()) > 0
+    else:
+        assert p_value(counts, law) < ALPHA

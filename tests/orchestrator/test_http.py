@@ -361,6 +361,11 @@ def test_structured_output_and_logprobs_over_http(client: openai.OpenAI) -> None
     content = chat.choices[0].logprobs.content  # type: ignore[union-attr]
     assert content is not None and len(content) == 6
     assert all(t.logprob <= 0 and len(t.top_logprobs) == 3 for t in content)
+    streamed = client.completions.create(model=name, prompt=PROMPT, max_tokens=30, temperature=0, logprobs=1,
+                                         stream=True, extra_body={"guided_regex": "(yes|no), [a-z]{2,8}\\."})
+    chunks = [c.choices[0] for c in streamed if c.choices]
+    tokens = [t for c in chunks if c.logprobs is not None for t in c.logprobs.tokens or []]
+    assert "".join(tokens) == "".join(c.text for c in chunks) == choice.text
     dead = client.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}],
                                           max_tokens=6, response_format={"type": "json_object"})
     assert dead.choices[0].finish_reason == "grammar_dead_end"  # type: ignore[comparison-overlap]

@@ -404,3 +404,28 @@ def test_top_tokens_are_the_most_likely_in_order(vocab: int) -> None:
         logits = torch.randn(vocab) * (1 + trial % 4)
         got = sampling.top_tokens(logits, 4)
         assert logits[got].tolist() == torch.topk(logits, min(4, vocab)).values.tolist()
+
+
+TOP_P = 0.6
+
+
+def _top_p_set_of(size: int, vocab: int, generator: torch.Generator) -> torch.Tensor:
+    """Logits [vocab] whose top-p set at TOP_P is exactly the `size` most likely tokens: they
+    have near-equal shares a, and TOP_P sits half a share past size - 1 of them."""
+    share = TOP_P / (size - 0.5)
+    probs = torch.full((vocab,), (1 - size * share) / (vocab - size), dtype=torch.float64)
+    probs[:size] = share * (1 + 1e-4 * torch.linspace(1, 0, size, dtype=torch.float64))  # no ties
+    return probs[torch.randperm(vocab, generator=generator)].log().float()
+
+
+@pytest.mark.parametrize("sizes", [(2, 200), (64, 65), (1024, 1025), (65, 1025), (3, 64)],
+                         ids=lambda s: f"{s[0]}+{s[1]}")
+def test_top_p_keeps_each_rows_own_set_in_a_mixed_batch(sizes: tuple[int, int]) -> None:
+    """Rows of one batch whose top-p sets end on either side of a rung of the search (64, 1024
+    tokens): each row keeps exactly its own set, whatever the other row needs (a search that
+    stops when any row has its mass, or a token early at a rung, keeps too few)."""
+    generator = torch.Generator().manual_seed(sum(sizes))
+    logits = torch.stack([_top_p_set_of(size, 4096, generator) for size in sizes])
+    got = sampling.probabilities(logits, sampling.SamplingParams(temperature=1.0, top_p=TOP_P))
+    assert [int((row > 0).sum()) for row in got] == list(sizes)
+    assert torch.allclose(got, _top_p_by_sorting(logits, TOP_P), atol=1e-7)

@@ -14,7 +14,7 @@ import grpc
 import pytest
 import torch
 from laws import T1, TRUNCATED, assert_law_through, small_pair
-from tiny import make_draft_like, make_gguf, make_model, random_prompts, speculated
+from tiny import make_draft_like, make_gguf, make_model, make_tokenizer, random_prompts, speculated
 from transformers import AutoModelForCausalLM
 
 from tandem import llama, sampling
@@ -121,6 +121,37 @@ def test_greedy_output_at_every_k_equals_the_llama_targets_own(llama_target_stac
                 assert tokens == alone, (k, prompt)
                 accepted, drafted = accepted + usage.accepted_tokens, drafted + usage.drafted_tokens
     assert 0 < accepted < drafted  # rejections were rolled back on the target's sequences
+
+
+@needs_llama
+@pytest.mark.slow
+def test_under_a_grammar_every_k_and_logprobs_are_the_llama_targets_own(llama_target_stack: Stack,
+                                                                       gguf_target: Path) -> None:
+    """Greedy under a grammar: speculation's output is the target's own k = 0 output (a decode
+    run masked on the target), the draft on llama.cpp drafting under the same masks; the
+    log-probabilities it returns are the target's own log-softmax over the file."""
+    grammar = common_pb2.Grammar(regex="(yes|no), [a-z]{2,6}( [a-z]{1,5}){0,3}\\.")
+    prompts = [make_tokenizer().encode(p) for p in ("a grammar: ", "the answer is ")]
+    engine = llama.LlamaEngine(str(gguf_target), context_tokens=512,
+                               max_batch_tokens=64, threads=1)
+    try:
+        with llama_target_stack.client() as client:
+            for prompt in prompts:
+                alone = client.generate(prompt, max_new_tokens=LENGTH, num_speculative_tokens=0, grammar=grammar)
+                for k in (1, 4):
+                    reply = client.generate(prompt, max_new_tokens=LENGTH, num_speculative_tokens=k,
+                                            proposer="draft-model", grammar=grammar, logprobs=3)
+                    assert list(reply.token_ids) == list(alone.token_ids), (k, prompt)
+                    assert reply.usage.grammar_forced_tokens > 0
+                    tokens = list(reply.token_ids)
+                    rows = engine.single(Pass(session(engine, f"lp{k}"), 0, tuple(prompt + tokens),
+                                              logits_to_keep=len(tokens) + 1)).logits
+                    want = torch.log_softmax(rows[:-1].float(), -1)
+                    got = torch.tensor([t.logprob for t in reply.logprobs])
+                    torch.testing.assert_close(got, want[torch.arange(len(tokens)), torch.tensor(tokens)],
+                                               atol=1e-2, rtol=0)
+    finally:
+        engine.close()
 
 
 @needs_llama
