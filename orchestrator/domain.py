@@ -159,6 +159,7 @@ class TargetScores:
     load: PassLoad | None = None  # None: a replica that does not report it
     split: PassSplit = NO_SPLIT  # the target's pass for it, by stage
     cached: int = 0  # history tokens the target replica took from its prefix cache
+    forced: bool = False  # a decode run's token its grammar forced: no pass drew it
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from orchestrator.domain import (
     Generation,
     Step,
     TargetResult,
+    TargetScores,
     TreeCommit,
     one_hot_block,
 )
@@ -164,6 +165,8 @@ async def speculate(gen: Generation, proposer: Proposer | None, target: TargetSe
                 accepted = sampling.num_accepted(result.scored.target_probs, block.draft_probs, uniforms)
                 new, drafted = sampling.commit(block.token_ids, result.scored, accepted), len(block.token_ids)
                 rejected = int(accepted < drafted)
+                if result.forced:  # a run's token its grammar forced: no pass drew it
+                    accepted, drafted, free_kind = 1, 1, "grammar"
 
             if free_kind == "suffix":
                 policy.observe_free(free.expected, accepted)
@@ -175,7 +178,8 @@ async def speculate(gen: Generation, proposer: Proposer | None, target: TargetSe
             # Not a target's own tree pass: it scores a segment of a width not known here, and its
             # cost would be filed under its 1-2 new tokens, where the draft policy reads.
             # A free step is the model's k = 0 (the draft sat it out); its pass is still measured.
-            if not prefill and not isinstance(result, TreeCommit):
+            no_pass = isinstance(result, TargetScores) and result.forced
+            if not prefill and not isinstance(result, TreeCommit) and not no_pass:
                 policy.observe(0 if free.block.token_ids else len(block.token_ids),
                                0 if free.block.token_ids else accepted, block.compute_ms, result.compute_ms,
                                step_ms, len(history) - target_synced + len(block.token_ids), result.load,
@@ -196,7 +200,8 @@ async def speculate(gen: Generation, proposer: Proposer | None, target: TargetSe
                        draft_hit=None if block.prebuilt < 0 or not block.token_ids else block.ahead_hit,
                        target_call_ms=(answered - called) * 1000.0, cycle_ms=cycle_ms, draft_split=block.split,
                        target_split=result.split, draft_cached=block.cached, target_cached=result.cached,
-                       proposer=free_kind, logprobs=logprobs, dead_end=dead_end)
+                       proposer=free_kind, logprobs=logprobs, dead_end=dead_end,
+                       target_passes=0 if no_pass else 1)
             if finished_by_eos or dead_end:
                 return
     finally:

@@ -131,7 +131,7 @@ def target_result_from_proto(proto: target_pb2.ScoreBlocksResponse) -> TargetRes
                                                                             tuple(r.top_logprobs))
                                                        for r in scores.logprobs)),
                             proto.cache_length, proto.compute_ms, load, split_from_proto(proto.pass_split),
-                            proto.cached_token_count)
+                            proto.cached_token_count, scores.grammar_forced)
     if kind == "verified_tree":
         tree = proto.verified_tree
         return TreeCommit(tuple(tree.committed_token_ids), tree.proposed_token_count,

@@ -21,6 +21,7 @@ from target_service.candidates import NO_CANDIDATES, TargetProposer
 class ScoredStep:
     scored: sampling.ScoredBlock
     cache_length: int
+    forced: bool = False  # a decode run's token the grammar forced: no pass drew it
 
 
 @dataclass(frozen=True)
@@ -148,7 +149,10 @@ async def decode_run(
 ) -> AsyncGenerator[tuple[ScoredStep, float], None]:
     """Decode up to `max_tokens` tokens with the target alone, yielding each as it is drawn
     (the bonus token of a block of none) with the ms since the one before; the run ends after
-    a stop token. Under a grammar (following the history), each draw is masked by it.
+    a stop token. Under a grammar (following the history), each draw is masked by it, and
+    the tokens it forces after a draw are told at once, with no pass of their own: the next
+    pass feeds them with the draw (unless the run returns log-probabilities, which only a
+    pass has).
 
     Each token is one pass through the scheduler, so other sessions' passes share it as they
     would a plain step's; but the next pass is named on the forward worker as soon as a token
@@ -171,11 +175,21 @@ async def decode_run(
             now = time.perf_counter()
             loop.call_soon_threadsafe(news.put_nowait, (ScoredStep(out.value, at), (now - clock[0]) * 1000.0))
             clock[0] = now
+            told = [drawn]
             if grammar is not None:
                 # Where the grammar fails (a parser limit), the rows go unmasked and the run on:
                 # the orchestrator, which follows the grammar too, ends the reply there.
                 grammar.take(drawn)
-            return token(at, (drawn,), left - 1) if left > 1 and drawn not in stop_token_ids else None
+                forced = grammar.forced(left - 1) if top_logprobs is None and drawn not in stop_token_ids else []
+                for forced_token in forced:
+                    grammar.take(forced_token)
+                    told.append(forced_token)
+                    loop.call_soon_threadsafe(news.put_nowait, (ScoredStep(
+                        sampling.ScoredBlock((), (), forced_token), at, forced=True), 0.0))
+                    if forced_token in stop_token_ids:
+                        break
+            left_after = left - len(told)
+            return token(at, tuple(told), left_after) if left_after > 0 and told[-1] not in stop_token_ids else None
 
         return Pass(session, position, new, reads=reads, reduce=score, then=then)
 
@@ -192,15 +206,19 @@ async def decode_run(
                                                      token(position, new, count)))
             running.add_done_callback(news.put_nowait)
             drawn = None
+            unfed: list[int] = []  # tokens told whose KV the cache does not hold yet
             while not isinstance(item := await news.get(), asyncio.Future):
                 scored, ms = item
-                drawn, position, new = scored.scored.bonus_token_id, scored.cache_length, ()
+                if scored.cache_length != position:
+                    position, new, unfed = scored.cache_length, (), []
+                drawn = scored.scored.bonus_token_id
+                unfed.append(drawn)
                 left -= 1
                 yield scored, ms
             running.result()  # a failed pass's error
             if drawn is None or drawn in stop_token_ids:
                 return
-            new = (drawn,)
+            new = tuple(unfed)
     finally:
         if running is not None:
             running.cancel()

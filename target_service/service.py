@@ -12,6 +12,7 @@ import grpc
 from tandem import models, sampling
 from tandem.config import MAX_BLOCK_TOKENS, MAX_STOP_TOKENS, MAX_TOP_LOGPROBS
 from tandem.errors import InvalidRequest, Unavailable
+from tandem.grammar import GrammarState
 from tandem.kv import KVSession
 from tandem.model_service import ModelHost, ModelServicer, sampling_from, step_from
 from tandem.server import handle_errors
@@ -117,6 +118,8 @@ class TargetService(ModelServicer, target_pb2_grpc.TargetServiceServicer):
             history = step.cache_position + len(step.new_token_ids)
             kind = request.WhichOneof("proposal")
             top_logprobs = self._top_logprobs(request, kind)
+            if session.states.get(GrammarState) is not None:
+                await session.still()  # a closed decode run's last draw may still take its token in
             grammar = await self.host.grammar_for(request, session, [*session.held_tokens[:step.cache_position],
                                                                 *step.new_token_ids])
             if grammar is not None and kind == "target_proposal":
@@ -150,9 +153,11 @@ class TargetService(ModelServicer, target_pb2_grpc.TargetServiceServicer):
                                                           request.decode_run.max_tokens, stops, grammar,
                                                           top_logprobs)) as tokens:
                     async for scored, ms in tokens:
+                        scores = scores_to(scored.scored)
+                        scores.grammar_forced = scored.forced
                         yield target_pb2.ScoreBlocksResponse(
                             cache_length=scored.cache_length, compute_ms=ms, **self._load(session),
-                            cached_token_count=cached, block_scores=scores_to(scored.scored))
+                            cached_token_count=cached, block_scores=scores)
                         cached = 0  # told once, on the run's first token
             else:
                 raise InvalidRequest("the step sets no proposal: send draft_proposal (with no "

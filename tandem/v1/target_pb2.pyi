@@ -82,16 +82,18 @@ class ScoreBlocksResponse(_message.Message):
     def __init__(self, cache_length: _Optional[int] = ..., compute_ms: _Optional[float] = ..., batch_session_count: _Optional[int] = ..., batch_token_count: _Optional[int] = ..., pass_ms: _Optional[float] = ..., queue_depth_count: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., pass_split: _Optional[_Union[_common_pb2.PassSplit, _Mapping]] = ..., cached_token_count: _Optional[int] = ..., block_scores: _Optional[_Union[BlockScores, _Mapping]] = ..., verified_tree: _Optional[_Union[VerifiedTree, _Mapping]] = ...) -> None: ...
 
 class BlockScores(_message.Message):
-    __slots__ = ("target_probs", "recovered_token_ids", "bonus_token_id", "logprobs")
+    __slots__ = ("target_probs", "recovered_token_ids", "bonus_token_id", "logprobs", "grammar_forced")
     TARGET_PROBS_FIELD_NUMBER: _ClassVar[int]
     RECOVERED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BONUS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FORCED_FIELD_NUMBER: _ClassVar[int]
     target_probs: _containers.RepeatedScalarFieldContainer[float]
     recovered_token_ids: _containers.RepeatedScalarFieldContainer[int]
     bonus_token_id: int
     logprobs: _containers.RepeatedCompositeFieldContainer[RowLogprobs]
-    def __init__(self, target_probs: _Optional[_Iterable[float]] = ..., recovered_token_ids: _Optional[_Iterable[int]] = ..., bonus_token_id: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[RowLogprobs, _Mapping]]] = ...) -> None: ...
+    grammar_forced: bool
+    def __init__(self, target_probs: _Optional[_Iterable[float]] = ..., recovered_token_ids: _Optional[_Iterable[int]] = ..., bonus_token_id: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[RowLogprobs, _Mapping]]] = ..., grammar_forced: _Optional[bool] = ...) -> None: ...
 
 class RowLogprobs(_message.Message):
     __slots__ = ("drafted_logprob", "drawn_logprob", "top_token_ids", "top_logprobs")

@@ -70,8 +70,13 @@ def test_greedy_output_under_a_grammar_is_the_targets_own(tiny_stack: Stack, tin
             reply = client.generate(prompt, max_new_tokens=40, num_speculative_tokens=k, proposer="draft-model",
                                     grammar=grammar)
             assert list(reply.token_ids) == want, f"k={k}"
-            if k:  # speculation ran under the grammar: drafted, accepted, and forced for free
-                assert reply.usage.accepted_tokens > reply.usage.grammar_forced_tokens > 0
+            usage = reply.usage
+            # Forced tokens cost no pass, in a decode run (k = 0) as between steps: "yes"/"no"
+            # then ", " after their first letter; "(" first.
+            assert usage.grammar_forced_tokens > 0
+            assert usage.target_forward_passes <= usage.completion_tokens - usage.grammar_forced_tokens
+            if k:  # speculation ran under the grammar: drafted and accepted besides what was forced
+                assert usage.accepted_tokens > usage.grammar_forced_tokens
         for proposer in ("suffix", "prompt-lookup"):
             reply = client.generate(prompt, max_new_tokens=40, num_speculative_tokens=4, proposer=proposer,
                                     grammar=grammar)
@@ -116,9 +121,11 @@ def test_forced_tokens_come_from_a_pass_where_logprobs_are_asked(tiny_stack: Sta
     (common_pb2.Grammar(json_schema='{"type": "strin"}'), {}, "grammar.json_schema"),
     (common_pb2.Grammar(regex="(unclosed"), {}, "grammar.regex"),
     (common_pb2.Grammar(lark="start: undefined_rule"), {}, "grammar.lark"),
+    (common_pb2.Grammar(lark="start: " + " | ".join(f'"w{i}"' for i in range(12_000))), {},
+     "at most 64000"),  # past the compile limit on a grammar's size
     (common_pb2.Grammar(regex="[a-z]+"), {"ignore_eos": True}, "ignore_eos"),
     (common_pb2.Grammar(regex="[a-z]+"), {"proposer": "lookahead"}, "lookahead"),
-], ids=["not-json", "bad-schema", "bad-regex", "bad-lark", "ignore-eos", "tree-proposer"])
+], ids=["not-json", "bad-schema", "bad-regex", "bad-lark", "too-large", "ignore-eos", "tree-proposer"])
 def test_a_bad_grammar_is_refused_and_the_server_keeps_serving(tiny_stack: Stack, grammar: common_pb2.Grammar,
                                                                fields: dict[str, object], message: str) -> None:
     with tiny_stack.client() as client:
