@@ -1,11 +1,15 @@
 """`python -m bench.structured`: structured output on `tandem up`'s stack, side by side in one
-run: JSON-schema replies with speculation (the default, auto), without it (k = 0), and HF
-`generate()` on the target's float32 weights with the same grammar as a logits processor; and
-the grammar's mask cost per token (llguidance, and xgrammar where it is installed).
+run: JSON-schema replies with speculation (the default, auto; and the draft model at k = 4),
+without it (k = 0), and HF `generate()` on the target's float32 weights with the same grammar
+as a logits processor; and the grammar's mask cost per token (llguidance, and xgrammar where
+it is installed).
 
 Each reply is checked: it parses as JSON and has the schema's fields and types. Modes run in
-an order that rotates with each repeat; rates are decode rates (the first token excluded),
-medians over requests. Results: a markdown table on stdout and bench/results/structured-<time>.json.
+an order that rotates with each repeat, each pass on an orchestrator started afresh (suffix
+decoding would otherwise propose a mode's replies from the last mode's); one grammar request
+first builds every service's view of the tokenizer (seconds, once per process). Rates are
+decode rates (the first token excluded), medians over requests. Results: a markdown table on
+stdout and bench/results/structured-<time>.json.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch
 from bench.engines import up_stack
 from tandem import models
 from tandem.grammar import Grammars, GrammarSpec
+from tandem.launch import restart
 from tandem.v1 import common_pb2
 
 SCHEMAS: dict[str, dict[str, Any]] = {
@@ -45,9 +50,10 @@ SCHEMAS: dict[str, dict[str, Any]] = {
 ASKS = {
     "person": "Describe a fictional software engineer as JSON with name, age, email and languages.",
     "tool_call": "Find the three best pizza places in Naples: reply with the tool call as JSON.",
-    "inventory": "List four items of a small hardware store's stock as JSON: sku, count and price each.",
+    "inventory": "List three items of a small hardware store's stock as JSON: sku, count and price each.",
 }
-MODES = ("auto", "k0", "hf")
+MODES = ("auto", "k4", "k0", "hf")
+SPECULATION = {"auto": (None, None), "k4": (4, "draft-model"), "k0": (0, None)}
 SAMPLED_SEED = 11
 
 
@@ -71,11 +77,12 @@ def valid(schema: dict[str, Any], value: Any) -> bool:
     return True
 
 
-def tandem_reply(client: Any, ids: list[int], schema: dict[str, Any], k: int | None, temperature: float,
+def tandem_reply(client: Any, ids: list[int], schema: dict[str, Any], mode: str, temperature: float,
                  max_new_tokens: int) -> dict[str, Any]:
     started, first, tokens, summary = time.perf_counter(), None, [], None
+    k, proposer = SPECULATION[mode]
     for message in client.generate_stream(ids, max_new_tokens=max_new_tokens, temperature=temperature,
-                                          seed=SAMPLED_SEED, num_speculative_tokens=k,
+                                          seed=SAMPLED_SEED, num_speculative_tokens=k, proposer=proposer,
                                           grammar=common_pb2.Grammar(json_schema=json.dumps(schema))):
         if message.HasField("delta"):
             first = first or (time.perf_counter(), len(message.delta.token_ids))
@@ -160,7 +167,7 @@ def mask_costs(tokenizer: Any, vocab: int, eos: list[int], replies: dict[str, li
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.structured", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--out", default="bench/results")
@@ -174,18 +181,23 @@ def main(argv: list[str] | None = None) -> None:
     sampled: list[dict[str, Any]] = []
     stack = up_stack()
     try:
-        with stack.client() as client:
-            for rep in range(args.repeats):
-                shift = rep % len(modes)
-                for mode in modes[shift:] + modes[:shift]:
-                    if mode == "hf":
-                        continue  # after the stack, alone on the cores
+        with stack.client() as client:  # every service's view of the tokenizer, built once
+            client.generate(prompts["person"], max_new_tokens=8, num_speculative_tokens=2, proposer="draft-model",
+                            grammar=common_pb2.Grammar(json_object=True))
+        for rep in range(args.repeats):
+            shift = rep % len(modes)
+            for mode in modes[shift:] + modes[:shift]:
+                if mode == "hf":
+                    continue  # after the stack, alone on the cores
+                stack.orchestrator.stop()  # a fresh orchestrator: no suffix index of other modes' replies
+                stack.orchestrator = restart(stack.orchestrator)
+                with stack.client() as client:
                     for name, ids in prompts.items():
-                        reply = tandem_reply(client, ids, SCHEMAS[name], 0 if mode == "k0" else None, 0.0,
-                                             args.max_new_tokens)
+                        reply = tandem_reply(client, ids, SCHEMAS[name], mode, 0.0, args.max_new_tokens)
                         results[mode].append({"schema": name, **reply})
+        with stack.client() as client:
             for name, ids in prompts.items():  # sampled, with speculation
-                sampled.append({"schema": name, **tandem_reply(client, ids, SCHEMAS[name], None, 0.8,
+                sampled.append({"schema": name, **tandem_reply(client, ids, SCHEMAS[name], "auto", 0.8,
                                                                args.max_new_tokens)})
     finally:
         stack.stop()
@@ -195,10 +207,9 @@ def main(argv: list[str] | None = None) -> None:
         model = AutoModelForCausalLM.from_pretrained(models.resolve(models.DEFAULT_TARGET),
                                                      dtype=torch.float32).eval()  # type: ignore[no-untyped-call]
         grammars = Grammars(tokenizer, model.config.vocab_size, list(model.generation_config.eos_token_id or []))
-        for _ in range(args.repeats):
-            for name, ids in prompts.items():
-                results["hf"].append({"schema": name, **hf_reply(model, grammars, ids, SCHEMAS[name],
-                                                                  args.max_new_tokens)})
+        for name, ids in prompts.items():  # one pass: float32 generate() is deterministic and slow
+            results["hf"].append({"schema": name, **hf_reply(model, grammars, ids, SCHEMAS[name],
+                                                              args.max_new_tokens)})
     texts = {m: [(r["schema"], tokenizer.decode(r["tokens"], skip_special_tokens=True)) for r in results[m]]
              for m in modes}
     checks = {m: [valid(SCHEMAS[s], json.loads(t)) if _parses(t) else False for s, t in texts[m]] for m in modes}
