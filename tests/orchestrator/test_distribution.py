@@ -163,6 +163,19 @@ REPLAY_MUTANTS: dict[str, tuple[Callable[..., Any], str, str]] = {
 }
 
 
+def draft_block(draft: Rows, history: list[int], k: int, rng: torch.Generator
+                ) -> tuple[list[int], list[sampling.SparseDistribution]]:
+    """k tokens drafted after `history` from the draft's rows, as the draft service samples
+    them; the draft's support cap (8 by default) is above the vocabulary: q is sent whole."""
+    drafted: list[int] = []
+    dists: list[sampling.SparseDistribution] = []
+    for _ in range(k):
+        ids, probs = sampling.truncate(draft[tuple(history + drafted)].float(), VOCAB)
+        drafted.append(int(ids[sampling.sample(probs[None], rng)[0]]))
+        dists.append(sampling.SparseDistribution(tuple(ids.tolist()), tuple(probs.tolist())))
+    return drafted, dists
+
+
 def replay(target: Rows, draft: Rows, proposer: str, trials: int, *,
            num_accepted: Callable[..., int] = sampling.num_accepted,
            score_block: Callable[..., sampling.ScoredBlock] = sampling.score_block) -> torch.Tensor:
@@ -177,11 +190,7 @@ def replay(target: Rows, draft: Rows, proposer: str, trials: int, *,
             drafted: list[int] = []
             dists: list[sampling.SparseDistribution] = []
             if proposer == "draft-model":
-                for _ in range(k):
-                    # The draft's support cap (8 by default) is above the vocabulary: q is sent whole.
-                    ids, probs = sampling.truncate(draft[tuple(history + drafted)].float(), VOCAB)
-                    drafted.append(int(ids[sampling.sample(probs[None], rng)[0]]))
-                    dists.append(sampling.SparseDistribution(tuple(ids.tolist()), tuple(probs.tolist())))
+                drafted, dists = draft_block(draft, history, k, rng)
             elif k:
                 drafted = lookup(PROMPT + history, k, *LOOKUP_NGRAMS)
                 dists = [sampling.SparseDistribution((t,), (1.0,)) for t in drafted]
@@ -248,12 +257,7 @@ def masked_replay(target: Path, draft: Path, params: sampling.SamplingParams, ru
         history: list[int] = []
         while len(history) < 3:
             k = min(K, MAX_NEW_TOKENS - len(history) - 1) if history else 0
-            drafted: list[int] = []
-            dists: list[sampling.SparseDistribution] = []
-            for _ in range(k):
-                ids, probs = sampling.truncate(draft_rows[tuple(history + drafted)].float(), VOCAB)
-                drafted.append(int(ids[sampling.sample(probs[None], rng)[0]]))
-                dists.append(sampling.SparseDistribution(tuple(ids.tolist()), tuple(probs.tolist())))
+            drafted, dists = draft_block(draft_rows, history, k, rng)
             n = len(history)
             logits = torch.stack([logits_at[tuple(history + drafted[:i])] for i in range(k + 1)])
             masks = GRAMMAR_MASKS[n:n + k + 1]
