@@ -141,16 +141,18 @@ class Drafter:
         dists: list[sampling.SparseDistribution] = []
         reused = 0
         for _ in range(k):
-            allowed = self.grammar.allowed() if self.grammar is not None else None
-            if allowed is not None and not allowed.any():
-                break
-            if self.grammar is not None and allowed is not None and int(allowed.sum()) == 1:
-                # The grammar forces the token: q is one-hot whatever the model says, so no pass
-                # (the next one feeds it with the tokens before it).
-                tokens.append(int(allowed.nonzero()[0, 0]))
-                dists.append(sampling.SparseDistribution((tokens[-1],), (1.0,)))
-                self.grammar.take(tokens[-1])
-                continue
+            allowed = None
+            if self.grammar is not None:
+                allowed = self.grammar.allowed()
+                if not allowed.any():
+                    break
+                if int(allowed.sum()) == 1:
+                    # The grammar forces the token: q is one-hot whatever the model says, so no
+                    # pass (the next one feeds it with the tokens before it).
+                    tokens.append(int(allowed.nonzero()[0, 0]))
+                    dists.append(sampling.SparseDistribution((tokens[-1],), (1.0,)))
+                    self.grammar.take(tokens[-1])
+                    continue
             position, held = await self.at(history + tokens, allowed)
             reused += held
             # A q drafted ahead was taken without the mask: it is masked here (and where it

@@ -165,8 +165,9 @@ async def speculate(gen: Generation, proposer: Proposer | None, target: TargetSe
                 accepted = sampling.num_accepted(result.scored.target_probs, block.draft_probs, uniforms)
                 new, drafted = sampling.commit(block.token_ids, result.scored, accepted), len(block.token_ids)
                 rejected = int(accepted < drafted)
-                if result.forced:  # a run's token its grammar forced: no pass drew it
-                    accepted, drafted, free_kind = 1, 1, "grammar"
+            no_pass = isinstance(result, TargetScores) and result.forced  # a run's token its grammar forced
+            if no_pass:
+                accepted, drafted, free_kind = 1, 1, "grammar"
 
             if free_kind == "suffix":
                 policy.observe_free(free.expected, accepted)
@@ -178,15 +179,15 @@ async def speculate(gen: Generation, proposer: Proposer | None, target: TargetSe
             # Not a target's own tree pass: it scores a segment of a width not known here, and its
             # cost would be filed under its 1-2 new tokens, where the draft policy reads.
             # A free step is the model's k = 0 (the draft sat it out); its pass is still measured.
-            no_pass = isinstance(result, TargetScores) and result.forced
             if not prefill and not isinstance(result, TreeCommit) and not no_pass:
                 policy.observe(0 if free.block.token_ids else len(block.token_ids),
                                0 if free.block.token_ids else accepted, block.compute_ms, result.compute_ms,
                                step_ms, len(history) - target_synced + len(block.token_ids), result.load,
                                fed=lag)
 
-            dead_end = constraint.allowed(history, new) < len(new)  # the grammar failed on the way
-            new = new[:constraint.allowed(history, new)]
+            allowed = constraint.allowed(history, new)
+            dead_end = allowed < len(new)  # the grammar failed on the way
+            new = new[:allowed]
             eos_at = next((i for i, t in enumerate(new) if t in gen.eos_token_ids), None)
             new = new[: remaining if eos_at is None else min(eos_at + 1, remaining)]
             logprobs = step_logprobs(result, accepted, new)

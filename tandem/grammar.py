@@ -175,6 +175,9 @@ class GrammarState:
         # The last consumed token is an end-of-sequence one the grammar allowed: the matcher
         # does not take it in (it only lets it through where the grammar may end).
         self._ended = False
+        # The last mask computed, by the generated tokens it follows: the loop, a target's run
+        # and a draft ask for the same state's mask more than once.
+        self._mask: tuple[tuple[int, ...], torch.Tensor] | None = None
 
     def rollback(self, position: int) -> bool:
         return True  # see the class docstring: `follow` brings it where a step needs it
@@ -222,11 +225,18 @@ class GrammarState:
         return str(self._matcher.get_error()) if self._matcher.is_error() else ""
 
     def allowed(self) -> torch.Tensor:
-        """The tokens the grammar allows next: bool [vocab] (none where the matcher failed)."""
+        """The tokens the grammar allows next: bool [vocab] (none where the matcher failed).
+        Shared with later calls at the same state: read it, do not write to it."""
         if self._ended or self._matcher.is_error():
             return torch.zeros(self.vocab_size, dtype=torch.bool)
+        key = tuple(self.consumed)
+        if self._mask is not None and self._mask[0] == key:
+            return self._mask[1]
         bits = np.unpackbits(np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
-        return torch.from_numpy(bits[:self.vocab_size].astype(bool))
+        mask = torch.from_numpy(bits[:self.vocab_size].astype(bool))
+        if not self._matcher.is_error():
+            self._mask = (key, mask)
+        return mask
 
     def masks(self, block: Sequence[int]) -> tuple[torch.Tensor, int]:
         """The masks of the rows that score `block` after the matcher's history: row i allows

@@ -520,7 +520,7 @@ class ModelHost:
 
     async def grammar_for(self, request: Any, session: KVSession, history: list[int]) -> GrammarState | None:
         """The session's grammar state after `history`, where the step names a grammar (kept
-        with the session, rolled back with its cache, rebuilt from the history when lost)."""
+        with the session, brought to each step's history, rebuilt from it when lost)."""
         spec = spec_from(request.grammar)
         if spec is None:
             session.states.pop(GrammarState)

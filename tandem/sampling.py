@@ -312,10 +312,10 @@ def row_logprobs(logits: torch.Tensor, draft_token_ids: list[int], drawn_token_i
     drafted = host.values(logprobs[rows[:-1], torch.tensor(draft_token_ids, dtype=torch.long, device=logprobs.device)]
                           ) if draft_token_ids else []
     drawn = host.values(logprobs[rows, torch.tensor(drawn_token_ids, dtype=torch.long, device=logprobs.device)])
-    best = torch.topk(logprobs, min(top, logprobs.shape[-1]), dim=-1) if top else None
+    best = torch.topk(logprobs, min(top, logprobs.shape[-1]), dim=-1)  # top 0: empty rows
+    top_ids, top_values = host.values(best.indices), host.values(best.values)
     return tuple(RowLogprobs(drafted=float(drafted[i]) if i < len(drafted) else 0.0, drawn=float(drawn[i]),
-                             top_token_ids=tuple(host.values(best.indices[i])) if best is not None else (),
-                             top_logprobs=tuple(float(v) for v in host.values(best.values[i])) if best is not None else ())
+                             top_token_ids=tuple(top_ids[i]), top_logprobs=tuple(float(v) for v in top_values[i]))
                  for i in range(logprobs.shape[0]))
 
 
