@@ -24,8 +24,10 @@ Idle stacks cost nothing: their threads sleep (OMP_WAIT_POLICY=PASSIVE).
 
 Per point, the median over the repeats of: tokens/s (all completion tokens over the wall
 time), p50/p99 time to first token, p50/p99 inter-token latency (the gap before each
-streamed delta, spread over its tokens), and the target's mean sessions per pass; beside it
-every repeat's tokens/s. It writes JSON, a Markdown table and a PNG under
+streamed delta, spread over its tokens), the target's mean sessions per pass and the share of
+the wall time it spent in passes (busy); beside it every repeat's tokens/s. `--placement split`
+pins the target and the draft to disjoint halves of the CPUs: the draft on hardware of its
+own, the split this project is for. It writes JSON, a Markdown table and a PNG under
 bench/results/sweep-<time>/.
 """
 
@@ -34,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import time
 from collections.abc import Iterable, Sequence
@@ -91,6 +94,7 @@ class Point:
     itl_p50_ms: float
     itl_p99_ms: float
     mean_batch_sessions: float
+    target_busy: float = 0.0  # the share of the wall time the target spent in passes
     drafted_per_token: float = 0.0  # drafted tokens per completion token: how much the policy drafted
     accepted_per_token: float = 0.0  # of those, accepted
     runs_tokens_per_s: list[float] = field(default_factory=list)  # every repeat, in run order
@@ -139,9 +143,11 @@ async def _drive(address: str, prompts: Sequence[str], clients: int, max_new_tok
     return results, time.perf_counter() - started
 
 
-def _batch_counts(target: Process) -> tuple[float, float]:
+def _batch_counts(target: Process) -> tuple[float, float, float]:
+    """Sessions over every pass, passes, and seconds in passes, so far."""
     samples = target.metrics()
-    return samples.get("tandem_batch_sessions_sum", 0.0), samples.get("tandem_batch_sessions_count", 0.0)
+    return (samples.get("tandem_batch_sessions_sum", 0.0), samples.get("tandem_batch_sessions_count", 0.0),
+            samples.get("tandem_pass_stage_duration_seconds_sum", 0.0))
 
 
 def _measure(stack: Stack, mode: str, prompts: Sequence[str], clients: int, max_new_tokens: int,
@@ -156,7 +162,7 @@ def _measure(stack: Stack, mode: str, prompts: Sequence[str], clients: int, max_
     return Point(mode, clients, len(results), tokens, wall, tokens / wall,
                  statistics.median(ttfts), percentile(ttfts, 99),
                  statistics.median(gaps) if gaps else 0.0, percentile(gaps, 99),
-                 (after[0] - before[0]) / passes if passes else 0.0,
+                 (after[0] - before[0]) / passes if passes else 0.0, (after[2] - before[2]) / wall,
                  sum(r[3] for r in results) / tokens, sum(r[4] for r in results) / tokens)
 
 
@@ -168,7 +174,7 @@ def median_point(runs: Sequence[Point]) -> Point:
     first = runs[0]
     return Point(first.mode, first.clients, first.requests, first.tokens, med("wall_s"),
                  med("tokens_per_s"), med("ttft_p50_ms"), med("ttft_p99_ms"), med("itl_p50_ms"),
-                 med("itl_p99_ms"), med("mean_batch_sessions"), med("drafted_per_token"),
+                 med("itl_p99_ms"), med("mean_batch_sessions"), med("target_busy"), med("drafted_per_token"),
                  med("accepted_per_token"), [round(r.tokens_per_s, 3) for r in runs])
 
 
@@ -178,15 +184,44 @@ def rotated(modes: Sequence[str], repeat: int) -> list[str]:
     return [*modes[shift:], *modes[:shift]]
 
 
+PLACEMENTS = ("shared", "split")
+
+
+def orchestrator_argv(spec: Mode, drafts: Sequence[str], target: str) -> list[str]:
+    """A mode's orchestrator. Its speculation runs the draft model (`auto` would also take
+    suffix proposals from the replies of earlier runs of the same prompts, and measure those)."""
+    proposer = ["--proposer", "draft-model"] if spec.drafting else []
+    return ["orchestrator", "--draft", ",".join(drafts), "--target", target, *proposer, *spec.orchestrator]
+
+
+def split_cpus(cpus: Iterable[int]) -> tuple[str, str]:
+    """--placement split: the target's CPUs (the first half, rounded up) and the draft's (the
+    rest), as --cpu-affinity lists."""
+    ordered = sorted(cpus)
+    if len(ordered) < 2:
+        raise SystemExit("--placement split needs at least two CPUs; this process may use "
+                         f"{ordered}")
+    half = (len(ordered) + 1) // 2
+    return ",".join(map(str, ordered[:half])), ",".join(map(str, ordered[half:]))
+
+
 def _start(draft: str, target: str, modes: Sequence[str], *, draft_args: Sequence[str],
-           target_args: Sequence[str], threads: int, log_dir: Path | None) -> dict[str, Stack]:
+           target_args: Sequence[str], threads: int, log_dir: Path | None,
+           placement: str = "shared") -> dict[str, Stack]:
     """One orchestrator per mode, over replicas shared by every mode that runs them alike.
 
     Modes that differ only in the orchestrator (the policy, k, the A/A twin) measure the same
     target and draft processes, so a ratio between them holds nothing but what the orchestrator
     did: no second process's start-up choices (the matmul path each service times for itself,
-    where its memory landed) and no second copy of the weights in memory.
+    where its memory landed) and no second copy of the weights in memory. Their prefix caches
+    are off: every mode and repeat sends the same prompts, and each must prefill them as the
+    first did. `placement` "split" pins the target and the draft to disjoint CPUs
+    (`split_cpus`), the split this project is for; "shared" leaves both on every CPU.
     """
+    if placement == "split":
+        on_target, on_draft = split_cpus(os.sched_getaffinity(0))
+        target_args = [*target_args, "--cpu-affinity", on_target]
+        draft_args = [*draft_args, "--cpu-affinity", on_draft]
     replicas: dict[tuple[str, ...], Process] = {}
 
     def replica(argv: list[str]) -> Process:
@@ -195,7 +230,7 @@ def _start(draft: str, target: str, modes: Sequence[str], *, draft_args: Sequenc
             replicas[tuple(argv)] = spawn(argv, log_file=log_dir / f"{name}.log" if log_dir else None)
         return replicas[tuple(argv)]
 
-    common, metrics = ["--threads", str(threads)], ["--metrics-port", "0"]
+    common, metrics = ["--threads", str(threads), "--prefix-cache", "off"], ["--metrics-port", "0"]
     stacks: dict[str, Stack] = {}
     try:
         for mode in modes:
@@ -207,8 +242,8 @@ def _start(draft: str, target: str, modes: Sequence[str], *, draft_args: Sequenc
             for process in (*drafts, *targets):
                 wait_serving(process)
             log_file = log_dir / f"orchestrator-{mode.replace(' ', '-')}.log" if log_dir else None
-            orchestrator = spawn(["orchestrator", "--draft", ",".join(p.address for p in drafts),
-                                  "--target", targets[0].address, *spec.orchestrator], log_file=log_file)
+            orchestrator = spawn(orchestrator_argv(spec, [p.address for p in drafts], targets[0].address),
+                                 log_file=log_file)
             stacks[mode] = Stack(drafts, targets, orchestrator)
             wait_serving(orchestrator)
             asyncio.run(_drive(orchestrator.address, ["warm up"], 1, 4, spec.k))
@@ -228,13 +263,13 @@ def _stop(stacks: dict[str, Stack], replicas: Iterable[Process]) -> None:
 def sweep(draft: str, target: str, *, draft_args: Sequence[str], target_args: Sequence[str],
           concurrency: Sequence[int], max_new_tokens: int, min_requests: int, threads: int,
           modes: Sequence[str], prompt_chars: int = 0, log_dir: Path | None = None,
-          repeats: int = 1, per_session_up_to: int = 0) -> list[Point]:
+          repeats: int = 1, per_session_up_to: int = 0, placement: str = "shared") -> list[Point]:
     texts = [p.text[-prompt_chars:] if prompt_chars else p.text
              for p in bench_prompts(num_code=max(*concurrency, min_requests), num_prose=0)]
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)
     stacks = _start(draft, target, modes, draft_args=draft_args, target_args=target_args,
-                    threads=threads, log_dir=log_dir)
+                    threads=threads, log_dir=log_dir, placement=placement)
     try:
         points: list[Point] = []
         for clients in concurrency:
@@ -248,6 +283,7 @@ def sweep(draft: str, target: str, *, draft_args: Sequence[str], target_args: Se
                     print(f"{mode:>30} x{clients:<3} run {repeat + 1}/{repeats}: "
                           f"{run.tokens_per_s:7.2f} tokens/s, TTFT p50 {run.ttft_p50_ms:.0f} ms, "
                           f"ITL p50 {run.itl_p50_ms:.0f} ms, {run.mean_batch_sessions:.1f} sessions/pass, "
+                          f"target busy {run.target_busy:.0%}, "
                           f"{run.drafted_per_token:.2f} drafted per token",
                           flush=True)
             points.extend(median_point(runs[mode]) for mode in here)
@@ -269,14 +305,15 @@ def markdown(points: Sequence[Point]) -> str:
     base = {p.clients: p for p in points if p.mode == "per-session k=0"}
     batched = {p.clients: p for p in points if p.mode == "batched k=0"}
     header = ("| mode | clients | tokens/s | vs per-session k=0 | vs batched k=0 | TTFT p50 / p99 ms | "
-              "ITL p50 / p99 ms | sessions per pass | drafted (accepted) per token | tokens/s per run |")
-    lines = [header, "|---|---|---|---|---|---|---|---|---|---|"]
+              "ITL p50 / p99 ms | sessions per pass | target busy | drafted (accepted) per token | "
+              "tokens/s per run |")
+    lines = [header, "|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in points:
         vs_base = f"{ratio(p, base[p.clients]):.2f}x" if p.clients in base else "-"
         vs_batched = f"{ratio(p, batched[p.clients]):.2f}x" if p.clients in batched else "-"
         lines.append(f"| {p.mode} | {p.clients} | {p.tokens_per_s:.2f} | {vs_base} | {vs_batched} | "
                      f"{p.ttft_p50_ms:.0f} / {p.ttft_p99_ms:.0f} | {p.itl_p50_ms:.0f} / {p.itl_p99_ms:.0f} | "
-                     f"{p.mean_batch_sessions:.1f} | {p.drafted_per_token:.2f} ({p.accepted_per_token:.2f}) | "
+                     f"{p.mean_batch_sessions:.1f} | {p.target_busy:.0%} | {p.drafted_per_token:.2f} ({p.accepted_per_token:.2f}) | "
                      f"{', '.join(f'{t:.2f}' for t in p.runs_tokens_per_s)} |")
     return "\n".join(lines)
 
@@ -326,6 +363,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--per-session-up-to", type=int, default=0,
                         help="run the per-session k=0 baseline only up to this many clients (0: at "
                              "every concurrency); one session a pass, it takes most of a sweep's time")
+    parser.add_argument("--placement", choices=PLACEMENTS, default="shared",
+                        help="split: pin the target to the first half of this process's CPUs and the "
+                             "draft to the rest; shared: both on every CPU")
     parser.add_argument("--out", default="", help="directory for the results")
     args = parser.parse_args(argv)
     out = Path(args.out or f"bench/results/sweep-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -334,7 +374,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                    concurrency=[int(c) for c in args.concurrency.split(",")],
                    max_new_tokens=args.max_new_tokens, min_requests=args.min_requests,
                    threads=args.threads, modes=args.modes.split(","), prompt_chars=args.prompt_chars,
-                   log_dir=out / "logs", repeats=args.repeats, per_session_up_to=args.per_session_up_to)
+                   log_dir=out / "logs", repeats=args.repeats, per_session_up_to=args.per_session_up_to,
+                   placement=args.placement)
     out.mkdir(parents=True, exist_ok=True)
     table = markdown(points)
     (out / "sweep.json").write_text(json.dumps({"args": vars(args), "points": [asdict(p) for p in points]},

@@ -229,12 +229,17 @@ class CostModel:
         `--speculation-by-batch` says it where it covers B. Otherwise, with B >= 2, k rises
         from 0 while one more drafted token per session raises the tokens the hardware
         yields per millisecond, and stops at the first that does not. Plain, the B sessions
-        share one pass: B / v(B). Drafting k, each session's block rides in one pass of
-        B(k + 1) tokens, B E(k) / v(B(k + 1)); but a draft that takes turns with the target on
-        its hardware also takes k of its own passes' time from it, and the sessions, each
-        either drafting or verifying, no longer meet in one pass: E(k) / (v(k + 1) + k t_draft)
-        for each. On a flat v (a GPU below its compute-bound knee) the limit stays at k_max;
-        on a CPU under load it falls to 0. With one session the per-step cost alone decides."""
+        share one pass: B / v(B). Drafting k, the sessions draft their blocks (k t_draft, the
+        draft's time a token at this load) and meet in one pass of B(k + 1) tokens:
+        B E(k) / (k t_draft + v(B(k + 1))). The draft's time counts wherever it runs: on the
+        target's hardware it takes the target's cycles; on hardware of its own the sessions
+        wait for it before they meet in the target's pass (whose scheduler waits for them where
+        that saves a pass, tandem/batching.py `awaited`). A draft that takes turns with the
+        target on its hardware (no drafting ahead) has the sessions, each either drafting or
+        verifying, no longer meet in one pass: E(k) / (v(k + 1) + k t_draft) for each.
+        On a flat v and a fast draft (a GPU below its compute-bound knee) the limit stays at
+        k_max; on a CPU under load it falls to 0. With one session the per-step cost alone
+        decides."""
         sessions = self.sessions_sharing()
         table = self.deployment.by_batch.k(sessions) if self.deployment.by_batch else None
         if table is not None:
@@ -243,7 +248,7 @@ class CostModel:
         if sessions < 2 or t_one is None:
             return cap
         turns = self.deployment.draft_shares_target and not self.deployment.overlap
-        t_draft = (self.draft_ms_per_token.value or 0.0) if self.deployment.draft_shares_target else 0.0
+        t_draft = self.draft_ms_per_token.value or 0.0
 
         def rate(k: int) -> float:
             per_pass = 1 if turns and k else sessions

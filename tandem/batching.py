@@ -32,7 +32,7 @@ import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -49,29 +49,79 @@ from tandem.split import NO_SPLIT, PassSplit
 log = logging.getLogger(__name__)
 
 EMPTY_SEGMENT = Segment((), (), torch.zeros(0, 0, dtype=torch.bool))
-# A tick waits for the last passes' sessions that come back quickly (see `awaited`) up to this
-# share of the last pass's time, and at most MAX_BATCH_WAIT_S: a round trip through the
-# orchestrator is a few ms against a GPU pass of tens and a CPU pass of hundreds.
-BATCH_WAIT_SHARE = 0.25
-MAX_BATCH_WAIT_S = 0.25
+@dataclass
+class PassCosts:
+    """v(T): how long this scheduler's passes of T tokens take (ms), as measured: a moving
+    average by size, seeded with the passes the service timed at start-up. A size not measured
+    is read off the line through its measured neighbours (past the largest, on the last two's
+    slope; below the smallest, as the smallest)."""
+
+    ms: dict[int, float] = field(default_factory=dict)
+    weight: float = 0.2
+
+    def seed(self, times: Mapping[int, float]) -> None:
+        for tokens, ms in times.items():
+            self.ms.setdefault(tokens, ms)
+
+    def add(self, tokens: int, ms: float) -> None:
+        old = self.ms.get(tokens)
+        self.ms[tokens] = ms if old is None else old + self.weight * (ms - old)
+
+    def __call__(self, tokens: int) -> float | None:
+        if tokens in self.ms:
+            return self.ms[tokens]
+        below = sorted(t for t in self.ms if t < tokens)
+        above = sorted(t for t in self.ms if t > tokens)
+        if not below:
+            return self.ms[above[0]] if above else None
+        lo = below[-1]
+        if above:
+            hi = above[0]
+            return self.ms[lo] + (self.ms[hi] - self.ms[lo]) * (tokens - lo) / (hi - lo)
+        if len(below) == 1:
+            return self.ms[lo] * tokens / lo  # one size known: no saving is claimed for more
+        before = below[-2]
+        slope = max(0.0, (self.ms[lo] - self.ms[before]) / (lo - before))
+        return self.ms[lo] + slope * (tokens - lo)
+
+    def saving_ms(self, a: int, b: int) -> float:
+        """What one pass of a + b tokens saves against a pass of a and another of b."""
+        va, vb, both = self(a), self(b), self(a + b)
+        return 0.0 if va is None or vb is None or both is None else va + vb - both
 
 
-def awaited(away_s: dict[int, float | None], queued: set[int], budget_s: float) -> tuple[set[int], float]:
-    """Whom a tick waits for, and for how long after the last pass ended.
+@dataclass(frozen=True)
+class Expected:
+    """A session of the last passes that is expected back: in `due_s` (its last return after
+    its last pass ended), at the latest in `latest_s` (twice that), with `tokens` (its last
+    pass's)."""
 
-    `away_s`: each session of the last two passes, with the time its last return took (from
-    the end of its pass to its next pass arriving; None: not back since it was first served).
-    A session whose return takes at most `budget_s` is waited for: its next pass would
-    otherwise open a cohort of its own, and cohorts take turns at the model for good. One away
-    longer (at the draft between its target passes, say, or at the target between its blocks)
-    is not, nor one not seen back yet: when it is, its return is known, and a cohort it opened
-    merges at the next pass. The wait lasts up to twice the longest return awaited.
+    due_s: float
+    latest_s: float
+    tokens: int
+
+
+def awaited(expected: Sequence[Expected], queued_tokens: int, room_sessions: int, room_tokens: int,
+            costs: PassCosts) -> float:
+    """How long a tick waits (s) before it runs the `queued_tokens` queued: until the sessions
+    expected back whose joining saves more of the model's time than the wait costs.
+
+    Taken earliest first, each session expected is waited for while the wait it adds (its due
+    time past the one before's) is less than the pass its joining saves: v(P) + v(n) - v(P + n),
+    P the tokens the pass holds so far, n the session's. On a flat v (a GPU; a CPU's small
+    blocks on oneDNN) that is a pass's fixed cost, worth a wait of nearly a pass; where v
+    rises with every token (compute-bound), nothing is. The wait lasts until the chosen
+    sessions' latest return; 0: run now.
     """
-    waiting = {sid: away for sid, away in away_s.items()
-               if sid not in queued and away is not None and away <= budget_s}
-    if not waiting:
-        return set(), 0.0
-    return set(waiting), min(budget_s, 2 * max(waiting.values()) + 0.002)  # 2 ms: a wake-up's slack
+    wait_s, waited_s, tokens = 0.0, 0.0, queued_tokens
+    for n, session in enumerate(sorted(expected, key=lambda e: e.due_s), start=1):
+        due_s = max(0.0, session.due_s)
+        if n > room_sessions or tokens + session.tokens > room_tokens \
+                or costs.saving_ms(tokens, session.tokens) / 1000.0 <= due_s - waited_s:
+            break
+        tokens += session.tokens
+        waited_s, wait_s = due_s, max(wait_s, session.latest_s)
+    return wait_s
 
 
 #: What a step reads from its pass, run on the worker right after the forward, where the
@@ -477,6 +527,14 @@ class _Queued:
     queued: float = field(default_factory=time.perf_counter)
 
 
+@dataclass
+class _Recent:
+    session: KVSession
+    away_s: float | None = None
+    ended: float = 0.0  # 0: back since (queued or in a pass)
+    tokens: int = 1
+
+
 @dataclass(frozen=True)
 class BatchStats:
     """One forward pass of the scheduler: what a step reports of the pass that served it."""
@@ -501,13 +559,12 @@ class StepScheduler:
         self.max_sessions = max_sessions
         self.max_tokens = max_tokens
         self.buckets = buckets  # pad every pass's tokens to one of these (GPU shapes)
-        self.max_batch_wait_s, self.batch_wait_share = MAX_BATCH_WAIT_S, BATCH_WAIT_SHARE
-        self.batch_wait_s = 0.0  # the most a tick waits for recent sessions (see awaited)
+        self.costs = PassCosts()  # v(T) of this scheduler's passes, for the waits (see awaited)
         self._last: set[int] = set()  # sessions of the last pass
-        # Sessions of the last two passes, with how long their last return took (None: unseen).
-        self._recent: dict[int, float | None] = {}
-        self._ended: dict[int, float] = {}  # when each recent session's last pass ended
-        self._pass_ended = 0.0
+        # Sessions of the last two passes: the session, the time its last return took (from the
+        # end of its pass to its next pass arriving; None: not back since it was first
+        # served), when its last pass ended, and that pass's tokens.
+        self._recent: dict[int, _Recent] = {}
         self.on_batch = on_batch
         self.sessions = sessions  # told when a session's passes are over (room may free)
         self._queue: deque[_Queued] = deque()
@@ -516,9 +573,10 @@ class StepScheduler:
         self._running: list[_Queued] = []  # the pass on the worker now
         self._shared = True  # the runner's batched passes serve this model (no refusal)
 
-    def start(self, runner: Runner, refusal: str | None) -> None:
+    def start(self, runner: Runner, refusal: str | None, pass_times: Mapping[int, float] | None = None) -> None:
         """Serve passes on `runner`; `refusal`: why its sessions cannot share a pass (None:
-        they can)."""
+        they can); `pass_times`: v(T) as timed at start-up, until passes measure it."""
+        self.costs.seed(pass_times or {})
         if refusal is not None and (self.max_sessions > 1 or self.buckets):
             log.warning("sessions of this model run one per forward pass, unpadded: %s", refusal)
             self.max_sessions, self.buckets = 1, ()
@@ -539,6 +597,19 @@ class StepScheduler:
         if running and all(q.future.cancelled() for q in running):
             raise PassAborted
 
+    def _expected(self) -> list[Expected]:
+        """The recent sessions not queued whose return is known and not yet overdue (with
+        `_ready` held)."""
+        now, queued = time.perf_counter(), {id(q.p.session) for q in self._queue}
+        expected = []
+        for sid, r in self._recent.items():
+            if sid in queued or r.away_s is None or not r.ended or r.session.closed or r.session.evicted:
+                continue
+            latest = r.ended + 2 * r.away_s + 0.002 - now  # 2 ms: a wake-up's slack
+            if latest > 0:
+                expected.append(Expected(r.ended + r.away_s - now, latest, r.tokens))
+        return expected
+
     @property
     def depth(self) -> int:
         """Passes waiting for the worker."""
@@ -550,9 +621,9 @@ class StepScheduler:
         p.session.check_alive()  # evicted between its passes: NOT_FOUND
         p.session.pending += 1  # until the worker has run or skipped it (`_over`)
         with self._ready:
-            sid = id(p.session)
-            if sid in self._ended:
-                self._recent[sid] = time.perf_counter() - self._ended[sid]
+            recent = self._recent.get(id(p.session))
+            if recent is not None and recent.ended:
+                recent.away_s, recent.ended = time.perf_counter() - recent.ended, 0.0
             self._queue.append(_Queued(p, future, loop))
             self._ready.notify()
         return await future
@@ -562,15 +633,15 @@ class StepScheduler:
             while not self._queue:
                 self._ready.wait()
             # Sessions served by the last two passes are usually a round trip away from their
-            # next pass. Without a wait for them, sessions fall into cohorts that take turns,
-            # each arriving while the other's pass runs, and never share one.
+            # next pass (or a draft's block, at a target). Without a wait for them, sessions
+            # fall into cohorts that take turns, each arriving while the other's pass runs, and
+            # never share one; a wait pays where their joining saves the model a pass.
             while len(self._queue) < self.max_sessions:
-                waiting, wait_s = awaited(self._recent, {id(q.p.session) for q in self._queue},
-                                          self.batch_wait_s)
-                left = self._pass_ended + wait_s - time.perf_counter()
-                if not waiting or left <= 0:
+                wait_s = awaited(self._expected(), sum(q.p.num_tokens for q in self._queue),
+                                 self.max_sessions - len(self._queue), self.max_tokens, self.costs)
+                if wait_s <= 0:
                     break
-                self._ready.wait(left)
+                self._ready.wait(wait_s)
             batch = [self._queue.popleft()]
             tokens, sessions = batch[0].p.num_tokens, {id(batch[0].p.session)}
             kept: deque[_Queued] = deque()
@@ -653,12 +724,14 @@ class StepScheduler:
         split = clock.split()
         stats = BatchStats(len(live), sum(q.p.num_tokens for q in live),
                            (time.perf_counter() - clock.started) * 1000.0, split)
+        self.costs.add(stats.tokens, stats.ms)
         with self._ready:
             ended, ids = time.perf_counter(), {id(q.p.session) for q in live}
-            self._recent = {sid: self._recent.get(sid) for sid in self._last | ids}
-            self._ended = {sid: ended if sid in ids else self._ended[sid] for sid in self._recent}
-            self._last, self._pass_ended = ids, ended
-        self.batch_wait_s = min(self.max_batch_wait_s, self.batch_wait_share * stats.ms / 1000.0)
+            for q in live:
+                recent = self._recent.setdefault(id(q.p.session), _Recent(q.p.session))
+                recent.ended, recent.tokens = ended, q.p.num_tokens
+            self._recent = {sid: r for sid, r in self._recent.items() if sid in self._last | ids}
+            self._last = ids
         log.debug("pass: %d sessions, %d tokens, %.0f ms, queued %d after", stats.sessions,
                   stats.tokens, stats.ms, len(self._queue))
         try:

@@ -359,7 +359,7 @@ class ModelHost:
                                          exact_positions=models.exact_positions(model))
         refusal = self.batch_refusal if self.quantized else batching.batching_refusal(model)
         runner = batching.TorchRunner(model, head=self.head)
-        self.scheduler.start(runner, refusal)
+        self.scheduler.start(runner, refusal, pass_times)
         if self.serves_decode_runs and group is None and not self.quantized:
             # Compiled with the scheduler's hooks on the layers, as it will run.
             runner.decode = decode_graph.build(model, self.config.decode_graph, self.config.decode_graph_tokens,
@@ -432,7 +432,7 @@ class ModelHost:
         self._keep_prefixes(LLAMA_PREFIX_ENTRIES, None, None, fork=fork_cache)
         self.capabilities = Capabilities(LLAMA_CPP, token_trees=False, hidden_states=False,
                                          exact_positions=engine.trained_context)
-        self.scheduler.start(engine, None)
+        self.scheduler.start(engine, None, pass_times)
         self.model = engine
         log.info("loaded %s (%s, %s) on llama.cpp in %.1fs, %d threads; passes (tokens: ms) %s; "
                  "KV cache: %d bytes per token, %d tokens over all sessions", path,

@@ -274,12 +274,11 @@ def test_a_shared_pass_that_fails_costs_only_the_bad_step() -> None:
 
 def test_two_sessions_do_not_fall_into_lockstep() -> None:
     """Found by the load sweep: two clients never shared a pass, each arriving while the
-    other's pass ran. A tick now waits briefly for the last passes' sessions (here up to
-    20x a pass, so the test does not hang on this machine's speed)."""
+    other's pass ran. A tick now waits for the last passes' sessions where their joining saves
+    a pass."""
     model = llama()
     seen: list[batching.BatchStats] = []
     scheduler = StepScheduler(max_sessions=8, max_tokens=64, on_batch=seen.append)
-    scheduler.batch_wait_share, scheduler.max_batch_wait_s = 20.0, 0.05
     start(scheduler, model)
 
     async def decode(session: KVSession, delay: float) -> None:
@@ -295,13 +294,61 @@ def test_two_sessions_do_not_fall_into_lockstep() -> None:
     assert sum(s.sessions == 2 for s in seen) > 20, [s.sessions for s in seen]
 
 
-def test_a_tick_waits_only_for_sessions_that_come_back_within_its_budget() -> None:
-    away = {1: 0.010, 2: 0.300, 3: None, 4: 0.020}
-    # 1 and 4 come back in 10-20 ms: waited for, up to twice the longer return (and 2 ms).
-    assert batching.awaited(away, queued=set(), budget_s=0.1) == ({1, 4}, 0.042)
-    # 2 is at the draft (300 ms), 3 not back yet since its first pass: neither holds the pass.
-    assert batching.awaited(away, queued={1, 4}, budget_s=0.1) == (set(), 0.0)
-    assert batching.awaited(away, queued={4}, budget_s=0.015) == ({1}, 0.015)  # at most the budget
+def test_a_tick_waits_for_sessions_whose_joining_saves_more_than_the_wait() -> None:
+    flat = batching.PassCosts({1: 100.0, 4: 102.0, 16: 110.0})  # a fixed cost per pass
+    due = [batching.Expected(0.010, 0.022, 1), batching.Expected(0.020, 0.042, 1),
+           batching.Expected(0.300, 0.602, 1)]
+    # Two back in 10-20 ms save a 100 ms pass: waited for, until the later one's latest return;
+    # the one 300 ms away costs more than its pass saves.
+    assert batching.awaited(due, queued_tokens=1, room_sessions=8, room_tokens=64, costs=flat) == 0.042
+    assert batching.awaited(due[2:], queued_tokens=1, room_sessions=8, room_tokens=64, costs=flat) == 0.0
+    # No room for a second: only the first is worth its wait.
+    assert batching.awaited(due, queued_tokens=1, room_sessions=1, room_tokens=64, costs=flat) == 0.022
+    assert batching.awaited(due, queued_tokens=63, room_sessions=8, room_tokens=64, costs=flat) == 0.022
+    # Where every token costs its own share (compute-bound), a shared pass saves nothing.
+    linear = batching.PassCosts({1: 10.0, 2: 20.0, 4: 40.0})
+    assert batching.awaited(due, queued_tokens=1, room_sessions=8, room_tokens=64, costs=linear) == 0.0
+    # Nothing measured yet: nothing to gain.
+    assert batching.awaited(due, queued_tokens=1, room_sessions=8, room_tokens=64,
+                            costs=batching.PassCosts()) == 0.0
+
+
+def test_pass_costs_read_sizes_between_and_past_those_measured() -> None:
+    costs = batching.PassCosts({1: 100.0, 5: 140.0, 9: 200.0})
+    assert costs(1) == 100.0 and costs(3) == 120.0  # between: on the line
+    assert costs(13) == 260.0  # past the largest: the last two's slope
+    costs.add(5, 240.0)  # a moving average of what passes take
+    assert costs(5) == 160.0 and costs.saving_ms(2, 3) == 115.0 + 130.0 - 160.0
+    assert batching.PassCosts({4: 80.0})(8) == 160.0  # one size: no fixed cost assumed
+
+
+def test_sessions_away_at_a_draft_join_the_pass_they_save() -> None:
+    """The split under load: sessions come back from a draft on hardware of its own (here
+    80 ms away, a third of a 240 ms pass whose cost hardly depends on its tokens), in two
+    cohorts. Waiting up to a quarter of a pass, the target ran the cohorts in turn, half
+    full; waiting where the joining saves a pass, it runs them together."""
+    model = llama()
+    seen: list[batching.BatchStats] = []
+    scheduler = StepScheduler(max_sessions=8, max_tokens=64, on_batch=seen.append)
+    start(scheduler, model)
+
+    def slow(module: torch.nn.Module, args: object) -> None:
+        threading.Event().wait(0.24)  # a flat pass: the same wait whatever its tokens
+
+    model.model.layers[0].register_forward_pre_hook(slow)
+
+    async def decode(session: KVSession, delay: float) -> None:
+        await asyncio.sleep(delay)
+        await scheduler(Pass(session, 0, (3, 4, 5, 6)))
+        for token in range(8):
+            await asyncio.sleep(0.08)  # drafting the next block
+            await scheduler(Pass(session, session.length, (3 + token % 20, 4, 5)))
+
+    async def cohorts() -> None:  # the second cohort arrives while the first one's pass runs
+        await asyncio.gather(*(decode(KVSession(f"s{i}", VOCAB), 0.0 if i < 2 else 0.12) for i in range(4)))
+
+    asyncio.run(cohorts())
+    assert sum(s.sessions == 4 for s in seen) >= 5, [s.sessions for s in seen]
 
 
 def test_cohorts_merge_when_a_round_trip_outlasts_the_old_fixed_wait() -> None:
