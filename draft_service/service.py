@@ -4,18 +4,21 @@ After answering a step that asks for it (draft_ahead_tokens), a session drafts a
 own task while the target verifies: see draft_service/proposer.py. The next step stops that
 task before it starts, at once when its history left the guessed branch (a queued pass is
 skipped; a running one stops at its next layer), or after the pass under way when it matches.
+Its passes are optional until then: they yield to steps' passes (tandem/batching.py), so
+guesses take the draft's spare time, not the time of other sessions' blocks.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field, replace
 
 import grpc
 
 from draft_service.proposer import Guesses, ProposedBlock, draft_ahead, propose_block
+from tandem.batching import Pass, PassOutput
 from tandem.config import MAX_BLOCK_TOKENS, MAX_SUPPORT_SIZE
 from tandem.errors import InvalidRequest, TandemError
 from tandem.kv import KVSession
@@ -150,9 +153,12 @@ class DraftService(ModelServicer, draft_pb2_grpc.DraftServiceServicer):
         session.tail_from, session.ahead = block.cache_length, True
         guesses, stop = Guesses(), asyncio.Event()
 
+        def optional(p: Pass) -> Awaitable[PassOutput]:  # yields to steps' passes until a step needs it
+            return self.host.scheduler(replace(p, optional_until=stop))
+
         async def run() -> None:
             try:
-                await draft_ahead(self.host.scheduler, session, history, block.token_ids,
+                await draft_ahead(optional, session, history, block.token_ids,
                                   depth, params, max_support_size, seed, stop, guesses, with_copies)
             except TandemError as exc:  # evicted, trimmed: the next step finds out, and says so
                 log.debug("session %s: drafting ahead stopped: %s", session.session_id, exc)

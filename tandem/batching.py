@@ -166,6 +166,14 @@ class Pass:
     # answers the call. It must be quick and must not touch the event loop's state except
     # through `loop.call_soon_threadsafe`.
     then: Callable[[PassOutput], Pass | None] | None = None
+    # Drafting ahead: a pass no step waits for, optional until this is set (a step arrived
+    # that needs it); it yields to steps' passes (StepScheduler._batch).
+    optional_until: asyncio.Event | None = None
+
+    @property
+    def required(self) -> bool:
+        # Event.is_set() only reads a flag: safe from the worker thread.
+        return self.optional_until is None or self.optional_until.is_set()
 
     @property
     def num_tokens(self) -> int:
@@ -622,7 +630,7 @@ class StepScheduler:
         p.session.pending += 1  # until the worker has run or skipped it (`_over`)
         with self._ready:
             recent = self._recent.get(id(p.session))
-            if recent is not None and recent.ended:
+            if recent is not None and recent.ended and p.required:
                 recent.away_s, recent.ended = time.perf_counter() - recent.ended, 0.0
             self._queue.append(_Queued(p, future, loop))
             self._ready.notify()
@@ -642,19 +650,41 @@ class StepScheduler:
                 if wait_s <= 0:
                     break
                 self._ready.wait(wait_s)
-            batch = [self._queue.popleft()]
-            tokens, sessions = batch[0].p.num_tokens, {id(batch[0].p.session)}
-            kept: deque[_Queued] = deque()
-            while self._queue and len(batch) < self.max_sessions:
-                item = self._queue.popleft()
-                if id(item.p.session) in sessions or tokens + item.p.num_tokens > self.max_tokens:
-                    kept.append(item)
-                    continue
-                batch.append(item)
-                sessions.add(id(item.p.session))
-                tokens += item.p.num_tokens
-            self._queue.extendleft(reversed(kept))
-            return batch
+            return self._batch()
+
+    def _batch(self) -> list[_Queued]:
+        """The queued passes this tick runs (with `_ready` held): oldest first, one per
+        session, within max_sessions and max_tokens (a first pass over it runs alone).
+        Drafting ahead's passes yield to steps' passes: where a step's pass is queued, one
+        joins only if it adds less to the pass than a pass of its own would cost beyond its
+        rows, v(P + n) - v(P) <= v(P) + v(n) - v(P + n): always on a flat v, never where every
+        row costs its own share (a compute-bound draft, whose guesses would otherwise slow
+        every step's block). Otherwise they run when no step's pass is queued."""
+        queue = list(self._queue)
+        steps = [q for q in queue if q.p.required]
+        order = [*steps, *(q for q in queue if not q.p.required)] if steps else queue
+        batch: list[_Queued] = []
+        tokens, sessions = 0, set()
+        for item in order:
+            if len(batch) == self.max_sessions:
+                break
+            n = item.p.num_tokens
+            if id(item.p.session) in sessions or (batch and tokens + n > self.max_tokens):
+                continue
+            if steps and not item.p.required and not self._rides_free(tokens, n):
+                continue
+            batch.append(item)
+            sessions.add(id(item.p.session))
+            tokens += n
+        taken = {id(q) for q in batch}
+        self._queue = deque(q for q in queue if id(q) not in taken)
+        return batch
+
+    def _rides_free(self, tokens: int, more: int) -> bool:
+        grown, now = self.costs(tokens + more), self.costs(tokens)
+        if grown is None or now is None:
+            return True  # nothing measured yet
+        return grown - now <= self.costs.saving_ms(tokens, more)
 
     def _forward(self, live: list[_Queued]) -> list[PassOutput | BaseException]:
         """The passes' outputs, or each one's own error: when a shared pass fails, every
@@ -728,6 +758,8 @@ class StepScheduler:
         with self._ready:
             ended, ids = time.perf_counter(), {id(q.p.session) for q in live}
             for q in live:
+                if not q.p.required:
+                    continue  # drafting ahead: not waited for
                 recent = self._recent.setdefault(id(q.p.session), _Recent(q.p.session))
                 recent.ended, recent.tokens = ended, q.p.num_tokens
             self._recent = {sid: r for sid, r in self._recent.items() if sid in self._last | ids}

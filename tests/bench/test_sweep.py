@@ -8,7 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from bench.sweep import MODES, Point, main, median_point, orchestrator_argv, ratio, rotated, split_cpus
+from bench.sweep import (
+    MODES,
+    Point,
+    main,
+    median_point,
+    orchestrator_argv,
+    ratio,
+    rotated,
+    split_cpus,
+)
 
 
 def _point(mode: str, tokens_per_s: float, runs: list[float] | None = None) -> Point:

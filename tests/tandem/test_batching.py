@@ -381,6 +381,53 @@ def test_cohorts_merge_when_a_round_trip_outlasts_the_old_fixed_wait() -> None:
     assert sum(s.sessions == 4 for s in seen) >= 8, [s.sessions for s in seen]
 
 
+@pytest.mark.parametrize("flat", [True, False])
+def test_drafting_ahead_yields_to_steps_where_its_rows_cost_their_own_share(flat: bool) -> None:
+    """Found by the split sweep: on a compute-bound draft (llama.cpp on one core) drafting
+    ahead's guesses filled passes of 15-28 rows for 8 sessions, and every session's block
+    waited for them. A guess's pass now joins a step's pass only where it rides nearly free (a
+    flat v); else the step's pass runs first, and the guess when no step waits."""
+    model = llama()
+    seen: list[batching.BatchStats] = []
+    scheduler = StepScheduler(max_sessions=8, max_tokens=64, on_batch=seen.append)
+    start(scheduler, model)
+
+    def slow(module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+        threading.Event().wait(0.06 if flat else 0.02 * args[0].shape[-1])
+
+    model.get_input_embeddings().register_forward_pre_hook(slow)
+
+    async def run() -> list[str]:
+        measured = KVSession("measured", VOCAB)
+        for n in (1, 2, 4, 1, 2, 4):  # v(T), as a service measures it
+            await scheduler(Pass(measured, measured.length, tuple(range(3, 3 + n))))
+        measured.closed = True
+        done: list[str] = []
+        busy = asyncio.ensure_future(scheduler(Pass(KVSession("busy", VOCAB), 0, (3, 4, 5, 6))))
+        await asyncio.sleep(0.03)  # the worker is in busy's pass: both below queue meanwhile
+        guess = asyncio.ensure_future(scheduler(Pass(KVSession("guess", VOCAB), 0, (3, 4),
+                                                     optional_until=asyncio.Event())))
+        step = asyncio.ensure_future(scheduler(Pass(KVSession("step", VOCAB), 0, (3, 4))))
+        guess.add_done_callback(lambda _: done.append("guess"))
+        step.add_done_callback(lambda _: done.append("step"))
+        await asyncio.gather(busy, guess, step)
+        return done
+
+    done = asyncio.run(run())
+    if flat:
+        assert seen[-1].sessions == 2, [s.sessions for s in seen]
+    else:
+        assert [s.sessions for s in seen[-2:]] == [1, 1] and done == ["step", "guess"]
+
+
+def test_a_guess_a_step_waits_for_is_a_steps_pass() -> None:
+    needed = asyncio.Event()
+    p = Pass(KVSession("g", VOCAB), 0, (3,), optional_until=needed)
+    assert not p.required
+    needed.set()
+    assert p.required and Pass(KVSession("s", VOCAB), 0, (3,)).required
+
+
 def test_a_batched_pass_attends_session_by_session(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each session's rows attend over its own cache as the cache holds it: no call sees
     another session's keys (the scores between sessions are never computed), no session's KV
