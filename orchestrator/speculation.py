@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable
-from typing import TypeVar
+from collections.abc import AsyncIterator
 
 import torch
 
 from orchestrator.constraint import NO_CONSTRAINT, Constraint, step_logprobs
 from orchestrator.domain import (
     EMPTY_BLOCK,
+    DraftBlock,
     Generation,
     Step,
     TargetResult,
@@ -30,23 +30,6 @@ from orchestrator.proposers import Proposer
 from orchestrator.remote import TargetSession
 from orchestrator.suffix import NO_PROPOSAL, Proposal
 from tandem import sampling
-
-A = TypeVar("A")
-B = TypeVar("B")
-
-
-async def _both(a: Awaitable[A], b: Awaitable[B]) -> tuple[A, B]:
-    """Await both concurrently; if either fails (or this is cancelled), cancel the other."""
-    first, second = asyncio.ensure_future(a), asyncio.ensure_future(b)
-    try:
-        done, _ = await asyncio.wait((first, second), return_when=asyncio.FIRST_EXCEPTION)
-        for task in done:
-            if task.exception() is not None:
-                raise task.exception()  # type: ignore[misc]
-        return first.result(), second.result()
-    finally:
-        for task in (first, second):
-            task.cancel()
 
 
 async def speculate(gen: Generation, proposer: Proposer | None, target: TargetSession,
@@ -73,6 +56,11 @@ async def speculate(gen: Generation, proposer: Proposer | None, target: TargetSe
     # A proposer with free proposals (suffix decoding) finds them between runs only: a run is
     # at most `free_run` tokens, which doubles with each run and is 1 again after a free step.
     free_run = 1
+    # The draft's prefill runs beside the target's and never holds the first token back (a
+    # draft on slower hardware than the target's would otherwise set the time to it); the
+    # next step, the first that drafts, waits for it.
+    warming: asyncio.Future[DraftBlock] | None = None
+    warm_length = 0
     generated = 0
     mark = time.perf_counter()  # the end of the last step; the consumer's turn follows it
     try:
@@ -95,6 +83,10 @@ async def speculate(gen: Generation, proposer: Proposer | None, target: TargetSe
             target_seed = int(torch.randint(0, 2**62, (1,), generator=rng)) if run is None else 0  # a run keys its own
             started = time.perf_counter()
             prefill, target_synced = target.synced == 0, target.synced
+            if warming is not None:
+                assert proposer is not None
+                proposer.update_candidate_strategy(await warming, 0, warm_length)  # or its error
+                warming = None
             lag = proposer.lag(len(history)) if proposer is not None else 0
             k = policy.choose(remaining, prefill, lag) if run is None else 0  # a run goes on to its end
             free, free_kind = NO_PROPOSAL, ""
@@ -144,9 +136,9 @@ async def speculate(gen: Generation, proposer: Proposer | None, target: TargetSe
             elif prefill:
                 # Prefill both caches at once; the target alone yields the first token (TTFT).
                 called = started
-                block, result = await _both(
-                    proposer.get_candidates(history, 0, gen.sampling, gen.seed, ahead=k),
-                    target.score(history, EMPTY_BLOCK, gen.sampling, target_seed))
+                warming = asyncio.ensure_future(proposer.get_candidates(history, 0, gen.sampling, gen.seed, ahead=k))
+                warm_length, block = len(history), EMPTY_BLOCK
+                result = await target.score(history, EMPTY_BLOCK, gen.sampling, target_seed)
                 answered = time.perf_counter()
             else:
                 block = constraint.cut_block(history, await proposer.get_candidates(
@@ -206,5 +198,9 @@ async def speculate(gen: Generation, proposer: Proposer | None, target: TargetSe
             if finished_by_eos or dead_end:
                 return
     finally:
+        if warming is not None:
+            warming.cancel()
+            if warming.done() and not warming.cancelled():
+                warming.exception()  # retrieved: the request ended before it needed the draft
         if run is not None:
             await run.aclose()

@@ -231,3 +231,39 @@ def test_a_request_the_policy_keeps_plain_decodes_in_runs_not_a_round_trip_per_t
     assert not any(s.drafted for s in done)
     # The prefill's step, then 39 tokens in runs of at most 16 (the policy's probe interval).
     assert target.requests == ["step", "run", "run", "run"], target.requests
+
+
+class HeldDraft(TableDraft):
+    """A draft whose prefill takes as long as the test says (a draft on slower hardware than
+    the target's)."""
+
+    def __init__(self, law: torch.Tensor) -> None:
+        super().__init__(law)
+        self.release = asyncio.Event()
+
+    async def _step(self, method: str, build: Any) -> Any:
+        if not self.cache:  # its prefill
+            await self.release.wait()
+        return await super()._step(method, build)
+
+
+def test_the_first_token_does_not_wait_for_the_drafts_prefill() -> None:
+    gen = generation(seed=3, new_tokens=8, greedy=True)
+
+    async def scenario() -> list[Step]:
+        draft, target = HeldDraft(DRAFT), TableTarget(TARGET, greedy=True)
+        proposer = DraftModelProposer(draft, max_support_size=VOCAB, overlap=False)
+        steps = speculation.speculate(gen, proposer, target, CostModel())
+        first = await asyncio.wait_for(anext(steps), 10)  # the draft still takes in the prompt
+        assert first.prefill and len(first.token_ids) == 1 and not draft.cache
+        draft.release.set()  # the next step, the first that drafts, waits for it
+        return [first, *[step async for step in steps]]
+
+    done = asyncio.run(scenario())
+    tokens, expected, last = [t for s in done for t in s.token_ids], [], PROMPT[-1]
+    for _ in range(8):
+        last = int(TARGET[last].argmax())
+        expected.append(last)
+    assert tokens == expected
+    # Every later step drafted (the last one, with one token left, cannot).
+    assert all(s.drafted for s in done[1:-1]) and done[-1].drafted == 0, [s.drafted for s in done]
