@@ -681,10 +681,11 @@ class StepScheduler:
         return batch
 
     def _rides_free(self, tokens: int, more: int) -> bool:
-        grown, now = self.costs(tokens + more), self.costs(tokens)
-        if grown is None or now is None:
+        """v(P + n) - v(P) <= v(P) + v(n) - v(P + n): see `_batch`."""
+        grown, now, alone = self.costs(tokens + more), self.costs(tokens), self.costs(more)
+        if grown is None or now is None or alone is None:
             return True  # nothing measured yet
-        return grown - now <= self.costs.saving_ms(tokens, more)
+        return grown - now <= now + alone - grown
 
     def _forward(self, live: list[_Queued]) -> list[PassOutput | BaseException]:
         """The passes' outputs, or each one's own error: when a shared pass fails, every
@@ -762,7 +763,8 @@ class StepScheduler:
                     continue  # drafting ahead: not waited for
                 recent = self._recent.setdefault(id(q.p.session), _Recent(q.p.session))
                 recent.ended, recent.tokens = ended, q.p.num_tokens
-            self._recent = {sid: r for sid, r in self._recent.items() if sid in self._last | ids}
+            kept = self._last | ids
+            self._recent = {sid: r for sid, r in self._recent.items() if sid in kept}
             self._last = ids
         log.debug("pass: %d sessions, %d tokens, %.0f ms, queued %d after", stats.sessions,
                   stats.tokens, stats.ms, len(self._queue))

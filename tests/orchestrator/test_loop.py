@@ -120,6 +120,15 @@ def run(gen: Generation, loop: Any = speculation.speculate, greedy: bool = False
     return [t for s in done for t in s.token_ids], done, draft, target
 
 
+def target_greedy(n: int) -> list[int]:
+    """The target's own greedy continuation of PROMPT, n tokens."""
+    tokens, last = [], PROMPT[-1]
+    for _ in range(n):
+        last = int(TARGET[last].argmax())
+        tokens.append(last)
+    return tokens
+
+
 def cell(tokens: list[int]) -> int:
     return (tokens[0] * VOCAB + tokens[1]) * VOCAB + tokens[2]
 
@@ -171,11 +180,7 @@ def test_greedy_output_is_the_targets_own(draft_law: torch.Tensor) -> None:
     for seed in range(10):
         tokens, steps, _, _ = run(generation(seed, new_tokens=10, greedy=True), greedy=True,
                                   draft_law=draft_law)
-        expected, last = [], PROMPT[-1]
-        for _ in range(10):
-            last = int(TARGET[last].argmax())
-            expected.append(last)
-        assert tokens == expected
+        assert tokens == target_greedy(10)
         remaining = 10
         for step in steps:
             if not step.prefill:
@@ -223,11 +228,7 @@ def test_a_request_the_policy_keeps_plain_decodes_in_runs_not_a_round_trip_per_t
         return [step async for step in speculation.speculate(gen, proposer, target, costs)]
 
     done = asyncio.run(steps())
-    tokens, expected, last = [t for s in done for t in s.token_ids], [], PROMPT[-1]
-    for _ in range(40):
-        last = int(TARGET[last].argmax())
-        expected.append(last)
-    assert tokens == expected
+    assert [t for s in done for t in s.token_ids] == target_greedy(40)
     assert not any(s.drafted for s in done)
     # The prefill's step, then 39 tokens in runs of at most 16 (the policy's probe interval).
     assert target.requests == ["step", "run", "run", "run"], target.requests
@@ -260,10 +261,6 @@ def test_the_first_token_does_not_wait_for_the_drafts_prefill() -> None:
         return [first, *[step async for step in steps]]
 
     done = asyncio.run(scenario())
-    tokens, expected, last = [t for s in done for t in s.token_ids], [], PROMPT[-1]
-    for _ in range(8):
-        last = int(TARGET[last].argmax())
-        expected.append(last)
-    assert tokens == expected
+    assert [t for s in done for t in s.token_ids] == target_greedy(8)
     # Every later step drafted (the last one, with one token left, cannot).
     assert all(s.drafted for s in done[1:-1]) and done[-1].drafted == 0, [s.drafted for s in done]
